@@ -1,0 +1,12 @@
+"""fxmem: a torch.compile backend that cuts the memory of training steps without changing results.
+
+    torch.compile(model, backend="fxmem", options={...})
+"""
+
+from .backend import fxmem_backend, register
+from .options import Options, Rule, resolve
+
+__version__ = "0.1.0"
+__all__ = ["Options", "Rule", "fxmem_backend", "resolve", "__version__"]
+
+register()

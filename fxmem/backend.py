@@ -1,0 +1,41 @@
+"""The ``fxmem`` torch.compile backend: options -> AOTAutograd joint graph -> plan -> split -> inner compiler."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from .options import Options, resolve
+from .remat.partition import Partitioner
+
+
+def _eager(gm: fx.GraphModule, example_inputs: Any):
+    return make_boxed_func(gm.forward)
+
+
+def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
+    """``torch.compile(model, backend="fxmem", options={...})``."""
+    if kwargs:
+        raise ValueError(f"fxmem backend: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
+    opts = resolve(options)
+    partitioner = Partitioner(opts)
+    if opts.inner == "eager":
+        compiled = aot_autograd(fw_compiler=_eager, bw_compiler=_eager, partition_fn=partitioner)(gm, example_inputs)
+    else:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+    compiled._fxmem_partitioner = partitioner  # type: ignore[attr-defined]
+    return compiled
+
+
+def register() -> None:
+    """Register ``fxmem`` with Dynamo (the entry point does this without an import)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "fxmem" not in _BACKENDS:
+        register_backend(name="fxmem")(fxmem_backend)

@@ -1,0 +1,1 @@
+"""Recompute: which forward values the backward keeps, and the forward/backward split."""

@@ -1,0 +1,112 @@
+"""Split a joint graph into forward and backward graph modules, given a saved set.
+
+The forward graph computes the forward outputs and the saved values. The backward graph takes the
+saved values and the tangents and computes the gradients; every forward node it needs that is not
+saved is copied into it, i.e. recomputed. Conventions follow AOTAutograd's runtime: the forward
+returns ``(*fwd_outputs, *saved_tensors, *saved_symints)`` and the backward takes
+``(*saved_symints, *saved_tensors, *tangents)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
+
+from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
+
+
+class InvalidSavedSet(ValueError):
+    """The saved set cannot produce the backward (names the offending node)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    saved: tuple[fx.Node, ...]  # joint-graph nodes the forward hands to the backward (tensors)
+    saved_syms: tuple[fx.Node, ...]
+    recomputed: tuple[fx.Node, ...]  # forward-side joint nodes that the backward runs again
+
+
+def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None) -> fx.GraphModule:
+    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = node.meta
+    needed = ancestors(outputs, stop=set(inputs))
+    for node in gm.graph.nodes:
+        if node in needed and node not in env:
+            if node.op == "placeholder":
+                raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    if descs is not None:
+        out.meta["desc"] = descs
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+def _output_descs(gm: fx.GraphModule) -> list:
+    out = gm.graph.output_node()
+    descs = out.meta.get("desc")
+    return list(descs) if descs is not None else [None] * len(out.args[0])
+
+
+def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
+    """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
+
+    ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
+    that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
+    Raises :class:`InvalidSavedSet` if the backward would recompute a random op.
+    """
+    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    saved = set(saved)
+    bad = [n.name for n in saved if n in joint.backward or n.op == "output" or is_multi_output(n)]
+    if bad:
+        raise InvalidSavedSet(f"saved set holds nodes that are backward-only or tuples: {', '.join(bad)}")
+    tangents = set(joint.tangents)
+    # Walk back from the gradients; forward-side SymInts and graph inputs become saved too.
+    stop = saved | tangents
+    todo, seen = [n for n in joint.bwd_outputs if isinstance(n, fx.Node)], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stop:
+            continue
+        if n not in joint.backward and (n.op == "placeholder" or is_sym(n)):
+            saved.add(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    recomputed = sorted((n for n in seen - saved if n not in joint.backward and n not in tangents
+                         and n.op != "get_attr"), key=order.__getitem__)
+    random = [n.name for n in recomputed if is_random(n)]
+    if random:
+        raise InvalidSavedSet(f"the backward would recompute random ops {random}: save them or replay their RNG")
+    needed_saved = saved & seen
+    syms = {n for n in needed_saved if is_sym(n)}
+    tensors = sorted(needed_saved - syms, key=order.__getitem__)
+    # Tensors stashed without a version-counter check go last (AOTAutograd's convention).
+    tensors.sort(key=lambda n: bool(n.meta.get("saved_tensor_with_no_vc_check", False)))
+    # Inductor needs every symbol in a backward input's shape bound by a SymInt input.
+    bindings = find_symbol_binding_fx_nodes(joint.gm.graph)
+    for n in [*tensors, *joint.tangents]:
+        for s in free_symbols(n.meta.get("val")):
+            if s in bindings and bindings[s] not in joint.backward:
+                syms.add(bindings[s])
+    syms_sorted = sorted(syms, key=order.__getitem__)
+
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    descs = _output_descs(joint.gm)
+    n_fwd = len(joint.fwd_outputs)
+    n_saved = len(tensors) + len(syms_sorted)
+    fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
+                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)])
+    bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:])
+    return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))
