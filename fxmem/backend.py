@@ -8,9 +8,22 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import ShortenTraceback
 
 from .options import Options, resolve
 from .remat.partition import Partitioner
+
+
+# Every partitioner fxmem made, oldest first: the source for reports and tests.
+COMPILES: list[Partitioner] = []
+
+
+class OptionError(ValueError, ShortenTraceback):
+    """A bad option. Also a ShortenTraceback, so Dynamo re-raises it as is, not wrapped."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.first_useful_frame = None
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Any):
@@ -21,7 +34,10 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
     """``torch.compile(model, backend="fxmem", options={...})``."""
     if kwargs:
         raise ValueError(f"fxmem backend: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
-    opts = resolve(options)
+    try:
+        opts = resolve(options)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
     partitioner = Partitioner(opts)
     if opts.inner == "eager":
         compiled = aot_autograd(fw_compiler=_eager, bw_compiler=_eager, partition_fn=partitioner)(gm, example_inputs)
@@ -29,7 +45,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
-    compiled._fxmem_partitioner = partitioner  # type: ignore[attr-defined]
+    COMPILES.append(partitioner)
     return compiled
 
 

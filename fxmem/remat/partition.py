@@ -40,6 +40,10 @@ class Partitioner(CustomPartitionerFn):
         self.splits.append(result)
         return result.fw, result.bw
 
+    def __deepcopy__(self, memo: dict) -> "Partitioner":
+        # Inductor deep-copies its config (us included) to hash it; the splits hold fake tensors.
+        return self
+
     def uuid(self) -> str:
         """Inductor's cache key: fxmem's source code and the options."""
         h = hashlib.sha256()

@@ -1,0 +1,207 @@
+"""The benchmark's models and configurations, each in one table.
+
+A configuration turns a model into the callable a training step calls (``fn(**batch)``). It has
+a name, a *kind* (how it is built) and an options dict that the kind interprets:
+
+    eager           the model as is                                   (no options)
+    hf_ckpt         HF gradient checkpointing, non-reentrant           (no options)
+    aot_eager       torch.compile(backend="aot_eager")                 (no options)
+    aot_eager_plain torch.compile(backend="aot_eager_default_partitioner")
+    mincut_eager    aot_autograd(nop compilers, partition_fn=min_cut_rematerialization_partition)
+    inductor        torch.compile(); option ``activation_memory_budget`` sets
+                    torch._functorch.config.activation_memory_budget, every other option goes to
+                    torch.compile(options=...) (Inductor's config)
+    fxmem           torch.compile(backend="fxmem", options=<options>)
+
+Adding a configuration is one line in CONFIGS (or ``register(...)``), e.g.
+
+    Config("fxmem-eager-level1", "fxmem", {"inner": "eager", "level": 1}, "fxmem level 1")
+
+and any configuration can be varied on the command line without registering it:
+``--configs 'fxmem-eager:{"level":1}'`` merges the JSON object into the options of
+``fxmem-eager`` (the result row is named by the whole spec).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+# --- models --------------------------------------------------------------------------------
+# Keyword arguments for fxmem.models.build, per model, for the full and the --quick run.
+_HF = dict(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4)
+_HF_QUICK = dict(batch=2, seq=64, vocab=2048, d=64, layers=2, heads=2)
+MODELS: dict[str, dict[str, dict[str, Any]]] = {
+    "hf_gpt2": {"full": dict(_HF, dropout=0.0), "quick": dict(_HF_QUICK, dropout=0.0)},
+    "hf_llama": {"full": dict(_HF), "quick": dict(_HF_QUICK)},
+    # Activations (2 x depth x batch x width fp32 = 128 MiB) dwarf the weights and their
+    # gradients (16 MiB each), so what a configuration keeps for backward decides the peak.
+    "mlp_chain": {"full": dict(batch=2048, width=512, depth=16), "quick": dict(batch=256, width=128, depth=8)},
+}
+DEFAULT_MODELS = ("hf_gpt2", "hf_llama", "mlp_chain")
+
+
+def model_kwargs(model: str, quick: bool) -> dict[str, Any]:
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    return dict(MODELS[model]["quick" if quick else "full"])
+
+
+# --- configurations ------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """A configuration does not apply to a model; the message says why."""
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def with_options(self, extra: Mapping[str, Any], name: str) -> "Config":
+        return Config(name, self.kind, {**self.options, **extra}, self.description + f" + {json.dumps(dict(extra))}")
+
+
+def _no_options(cfg: Config) -> None:
+    if cfg.options:
+        raise ValueError(f"config {cfg.name!r} (kind {cfg.kind!r}) takes no options, got {dict(cfg.options)}")
+
+
+def _eager(model, cfg: Config):
+    _no_options(cfg)
+    return model
+
+
+def _hf_ckpt(model, cfg: Config):
+    _no_options(cfg)
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise Skip(f"{type(model).__name__} has no HF gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not model.training:
+        raise Skip("HF gradient checkpointing acts in training mode only, and the model is in eval mode")
+    return model
+
+
+def _compile(backend: str):
+    def build(model, cfg: Config):
+        import torch
+
+        _no_options(cfg)
+        return torch.compile(model, backend=backend)
+
+    return build
+
+
+def _mincut_eager(model, cfg: Config):
+    import torch
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    _no_options(cfg)
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                           partition_fn=min_cut_rematerialization_partition)
+    return torch.compile(model, backend=backend)
+
+
+def _inductor(model, cfg: Config):
+    import torch
+
+    opts = dict(cfg.options)
+    if "activation_memory_budget" in opts:
+        # Read by the min-cut partitioner when the graph is compiled (at the first call); the
+        # worker is a fresh process, so setting the global is enough.
+        torch._functorch.config.activation_memory_budget = float(opts.pop("activation_memory_budget"))
+    return torch.compile(model, backend="inductor", options=opts or None)
+
+
+def _fxmem(model, cfg: Config):
+    import torch
+
+    import fxmem  # noqa: F401  (registers the backend even without the entry point)
+
+    return torch.compile(model, backend="fxmem", options=dict(cfg.options))
+
+
+KINDS: dict[str, Callable[[Any, Config], Any]] = {
+    "eager": _eager,
+    "hf_ckpt": _hf_ckpt,
+    "aot_eager": _compile("aot_eager"),
+    "aot_eager_plain": _compile("aot_eager_default_partitioner"),
+    "mincut_eager": _mincut_eager,
+    "inductor": _inductor,
+    "fxmem": _fxmem,
+}
+
+CONFIGS: list[Config] = [
+    Config("eager", "eager", description="plain PyTorch, no compile"),
+    Config("eager+hf_ckpt", "hf_ckpt", description="HF gradient checkpointing (use_reentrant=False) per layer"),
+    Config("aot_eager", "aot_eager", description="torch's aot_eager backend (in torch 2.13 it uses the min-cut partitioner)"),
+    Config("aot_eager_plain", "aot_eager_plain",
+           description="aot_eager with the default partitioner: saves what the forward computed, recomputes nothing"),
+    Config("mincut_eager", "mincut_eager",
+           description="aot_autograd(nop compilers, partition_fn=min_cut_rematerialization_partition)"),
+    Config("inductor", "inductor", description="torch.compile default (Inductor, min-cut partitioner)"),
+    Config("inductor+budget0.5", "inductor", {"activation_memory_budget": 0.5},
+           description="Inductor with torch._functorch.config.activation_memory_budget = 0.5"),
+    Config("inductor+budget0.1", "inductor", {"activation_memory_budget": 0.1},
+           description="Inductor with torch._functorch.config.activation_memory_budget = 0.1"),
+    Config("fxmem-eager", "fxmem", {"inner": "eager"}, description="fxmem with the eager inner compiler"),
+    Config("fxmem-inductor", "fxmem", {"inner": "inductor"}, description="fxmem with the Inductor inner compiler"),
+]
+REGISTRY: dict[str, Config] = {c.name: c for c in CONFIGS}
+DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS)
+BASELINE = "eager"
+
+
+def register(cfg: Config) -> Config:
+    if cfg.kind not in KINDS:
+        raise ValueError(f"config {cfg.name!r}: unknown kind {cfg.kind!r}; known: {', '.join(KINDS)}")
+    if cfg.name in REGISTRY:
+        raise ValueError(f"config {cfg.name!r} is already registered")
+    CONFIGS.append(cfg)
+    REGISTRY[cfg.name] = cfg
+    return cfg
+
+
+def parse(spec: str) -> Config:
+    """``name`` or ``name:{json object}`` (the object is merged into the config's options)."""
+    spec = spec.strip()
+    name, sep, extra = spec.partition(":")
+    if name not in REGISTRY:
+        raise ValueError(f"unknown config {name!r}; known: {', '.join(REGISTRY)}")
+    if not sep:
+        return REGISTRY[name]
+    try:
+        opts = json.loads(extra)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config {spec!r}: options after ':' must be a JSON object ({e})") from None
+    if not isinstance(opts, dict):
+        raise ValueError(f"config {spec!r}: options after ':' must be a JSON object, got {opts!r}")
+    return REGISTRY[name].with_options(opts, spec)
+
+
+def split_specs(text: str) -> list[str]:
+    """Split a comma-separated list of specs, keeping commas inside ``{...}`` JSON."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return [s.strip() for s in out if s.strip()]
+
+
+def build(model, cfg: Config):
+    """The callable a step calls in place of ``model``; raises Skip if ``cfg`` does not apply."""
+    return KINDS[cfg.kind](model, cfg)

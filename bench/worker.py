@@ -1,0 +1,175 @@
+"""Measure one (model, configuration) in this process and print one result line.
+
+    python bench/worker.py --model hf_gpt2 --config inductor [--steps 5 --warmup 2] [--quick]
+
+``bench/run.py`` starts one of these per pair, so compiled code, caches and allocator state never
+leak from one measurement into the next. The last stdout line starting with ``RESULT_PREFIX`` is
+the result, a JSON object (``status``: ``ok``, ``skipped`` or ``error``).
+
+One step: ``zero_grad(set_to_none=True)`` (outside the measured block), then forward, loss and
+backward. Steps, in order:
+
+1. the first step, timed alone (compilation happens here); its loss and gradient norm are the
+   numbers the report compares across configurations;
+2. ``warmup - 1`` more unmeasured steps;
+3. ``mem_steps`` steps under ``fxmem.profiling.step_perf`` with the memory profiler: peak bytes
+   allocated during the step over those live at its entry (parameters, the batch), so gradients
+   and everything forward and backward allocate count, parameters do not;
+4. ``steps`` steps timed with ``step_perf(memory=False)`` (no profiler overhead): median time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import configs  # noqa: E402
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+def _emit(result: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def _grad_norm(model) -> float:
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            total += p.grad.detach().double().pow(2).sum()
+    return math.sqrt(total.item())
+
+
+def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int, quick: bool,
+            device: str, seed: int) -> dict:
+    import statistics
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from fxmem.models import build
+    from fxmem.profiling import step_perf
+
+    kwargs = configs.model_kwargs(model_name, quick)
+    cfg = configs.parse(spec)
+    result: dict = {
+        "model": model_name, "config": spec, "kind": cfg.kind, "options": dict(cfg.options),
+        "model_kwargs": kwargs, "device": device, "threads": torch.get_num_threads(),
+        "steps": steps, "warmup": warmup, "mem_steps": mem_steps,
+    }
+    wl = build(model_name, seed=seed, **kwargs)
+    if getattr(wl.model, "loss_type", "") is None and hasattr(wl.model, "loss_function"):
+        # GPT2LMHeadModel has no loss_type: HF then logs a warning_once inside forward, which is a
+        # Dynamo graph break between the model and its loss. Name the loss HF would use anyway.
+        wl.model.loss_type = "ForCausalLM"
+    wl.model.to(device)
+    batch = {k: v.to(device) for k, v in wl.batch.items()}
+    model = wl.model
+    params = list(model.parameters())
+    result["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    result["batch_size"] = batch_size = next(iter(batch.values())).shape[0]
+
+    try:
+        fn = configs.build(model, cfg)
+    except configs.Skip as e:
+        return {**result, "status": "skipped", "reason": str(e)}
+
+    def step():
+        loss = wl.loss(fn(**batch))
+        loss.backward()
+        return loss
+
+    def zero():
+        model.zero_grad(set_to_none=True)
+
+    # 1. first step: compilation + one step
+    zero()
+    t0 = time.perf_counter()
+    loss = step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    result["loss"] = loss.item()
+    result["grad_norm"] = _grad_norm(model)
+    graphs_after_first = counters["stats"].get("unique_graphs", 0)
+    del loss
+
+    # 2. remaining warm-up
+    for _ in range(warmup - 1):
+        zero()
+        step()
+
+    # 3. peak memory, on separately profiled steps
+    peaks, fwd_live = [], []
+    for _ in range(mem_steps):
+        zero()
+        gc.collect()
+        with step_perf(device, batch_size=batch_size) as perf:
+            loss = wl.loss(fn(**batch))
+            perf.mark("forward")
+            loss.backward()
+        del loss
+        peaks.append(perf.result.peak_bytes)
+        fwd_live.append(perf.result.marks[0].live_bytes if perf.result.marks else None)
+
+    # 4. time, without the profiler
+    times = []
+    for _ in range(steps):
+        zero()
+        with step_perf(device, batch_size=batch_size, memory=False) as perf:
+            step()
+        times.append(perf.result.time_s)
+
+    median = statistics.median(times) if times else None
+    result.update({
+        "status": "ok",
+        "peak_bytes": max(peaks) if peaks else None,
+        "peak_bytes_all": peaks,
+        "fwd_live_bytes": fwd_live[-1] if fwd_live else None,
+        "step_time_median_s": median,
+        "step_times_s": times,
+        "first_step_s": first_s,
+        "compile_s": None if median is None else max(0.0, first_s - median),
+        "graphs": counters["stats"].get("unique_graphs", 0),
+        "recompiles": counters["stats"].get("unique_graphs", 0) - graphs_after_first,
+        "graph_breaks": sum(counters["graph_break"].values()),
+    })
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--config", required=True, help="a config name or 'name:{json options}'")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--mem-steps", type=int, default=1)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.warmup < 1:
+        p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
+    try:
+        result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed)
+    except Exception as e:  # report, don't crash silently: the parent records the error
+        traceback.print_exc()
+        _emit({"model": a.model, "config": a.config, "status": "error",
+               "reason": f"{type(e).__name__}: {e}"[:2000]})
+        return 1
+    _emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Shared test helpers: compare a compiled training step with eager."""
+
+import copy
+
+import torch
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = a.abs().max().clamp_min(1e-12)
+    return ((a - b).abs().max() / scale).item()
+
+
+def compare_step(workload, compile_fn, rtol=1e-5, batches=None):
+    """Run loss+backward in eager and through ``compile_fn(model)``; assert loss and grads agree."""
+    ref, test = workload.model, copy.deepcopy(workload.model)
+    compiled = compile_fn(test)
+    for batch in batches or [workload.batch]:
+        ref.zero_grad(set_to_none=True)
+        test.zero_grad(set_to_none=True)
+        l_ref = workload.loss(ref(**batch))
+        l_ref.backward()
+        l_test = workload.loss(compiled(**batch))
+        l_test.backward()
+        assert max_rel_err(l_ref.detach(), l_test.detach()) <= rtol, (l_ref, l_test)
+        for (name, p), q in zip(ref.named_parameters(), test.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                err = max_rel_err(p.grad, q.grad)
+                assert err <= rtol, f"{name}: relative error {err}"
+    return compiled

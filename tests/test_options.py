@@ -1,0 +1,85 @@
+import json
+
+import pytest
+
+from fxmem.options import Options, Rule, resolve
+
+ENV0 = {}
+
+
+def test_defaults():
+    o = resolve({}, env=ENV0)
+    assert o == Options() and o.level == 0 and o.inner == "inductor" and o.config == ()
+
+
+def test_env_and_explicit_precedence():
+    env = {"FXMEM_MEMORY_OPT_LEVEL": "2", "FXMEM_MEMORY_OPT_CONFIG": "add+gelu+:1:-1,mm+:2:3"}
+    o = resolve({}, env=env)
+    assert o.level == 2
+    assert o.config == (Rule("add+gelu+", 1, -1), Rule("mm+", 2, 3))
+    o = resolve({"level": 1, "config": ["x+:0:1"]}, env=env)
+    assert o.level == 1 and o.config == (Rule("x+", 0, 1),)
+
+
+def test_config_from_json_file(tmp_path):
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(["add+gelu+:1:-1", "Cast+:2:2"]))
+    o = resolve({}, env={"FXMEM_MEMORY_OPT_CONFIG": str(path)})
+    assert [str(r) for r in o.config] == ["add+gelu+:1:-1", "Cast+:2:2"]
+
+
+def test_budget_forms():
+    assert resolve({"memory_budget": "512MB"}, env=ENV0).memory_budget == 512 * 10**6
+    assert resolve({"memory_budget": "1.5GiB"}, env=ENV0).memory_budget == int(1.5 * 2**30)
+    assert resolve({"memory_budget": 1000}, env=ENV0).memory_budget == 1000
+    assert resolve({"memory_budget": 0.5}, env=ENV0).memory_budget == 0.5
+
+
+def test_options_are_frozen():
+    o = resolve({}, env=ENV0)
+    with pytest.raises(AttributeError):
+        o.level = 2
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"levle": 1}, r"option 'levle': unknown option \(value 1\); allowed keys: level, config"),
+    ({"level": "high"}, r"option 'level': got 'high'; allowed: 0, 1 or 2"),
+    ({"level": 3}, r"option 'level': got 3; allowed: 0, 1 or 2"),
+    ({"level": -1}, r"option 'level': got -1; allowed: 0, 1 or 2"),
+    ({"level": True}, r"option 'level': got True; allowed: 0, 1 or 2"),
+    ({"config": ["add+gelu+:1"]}, r"option 'config': malformed rule 'add\+gelu\+:1'; expected 'cluster:strategy:count'"),
+    ({"config": "add+:7:-1"}, r"option 'config': malformed rule 'add\+:7:-1'"),
+    ({"config": "add+:1:0"}, r"option 'config': malformed rule 'add\+:1:0'"),
+    ({"config": ":1:-1"}, r"option 'config': malformed rule ':1:-1'"),
+    ({"config": "/no/such/rules.json"}, r"option 'config': config file '/no/such/rules.json' does not exist"),
+    ({"config": 5}, r"option 'config': got 5; allowed: a list of 'cluster:strategy:count' strings"),
+    ({"memory_budget": -5}, r"option 'memory_budget': got -5; allowed: a non-negative number of bytes"),
+    ({"memory_budget": "-1GB"}, r"option 'memory_budget': got '-1GB'; allowed: a non-negative number of bytes"),
+    ({"memory_budget": "12 parsecs"}, r"option 'memory_budget': got '12 parsecs'"),
+    ({"memory_budget": 1.5}, r"option 'memory_budget': got 1.5; allowed: a fraction in \(0, 1\]"),
+    ({"inner": "tvm"}, r"option 'inner': got 'tvm'; allowed: 'inductor' or 'eager'"),
+    ({"microbatch_size": 0}, r"option 'microbatch_size': got 0; allowed: None, a positive int, or 'auto'"),
+    ({"lowering": {"bias_gleu": True}}, r"option 'lowering.bias_gleu': got True; allowed: pattern names"),
+    ({"plan_shape": {"input_ids": [0, 4]}}, r"option 'plan_shape': got \{'input_ids': \[0, 4\]\}"),
+    ({"strict": "yes"}, r"option 'strict': got 'yes'; allowed: True or False"),
+])
+def test_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        resolve(options, env=ENV0)
+
+
+def test_bad_env_names_the_variable():
+    with pytest.raises(ValueError, match=r"option 'FXMEM_MEMORY_OPT_LEVEL': got '5'; allowed: 0, 1 or 2"):
+        resolve({}, env={"FXMEM_MEMORY_OPT_LEVEL": "5"})
+    with pytest.raises(ValueError, match=r"option 'FXMEM_MEMORY_OPT_CONFIG': malformed rule 'nonsense'"):
+        resolve({}, env={"FXMEM_MEMORY_OPT_CONFIG": "nonsense"})
+
+
+def test_bad_json_file(tmp_path):
+    path = tmp_path / "rules.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=r"option 'config': config file .* is not valid JSON"):
+        resolve({"config": str(path)}, env=ENV0)
+    path.write_text(json.dumps({"a": 1}))
+    with pytest.raises(ValueError, match=r"the JSON file must hold a list"):
+        resolve({"config": str(path)}, env=ENV0)
