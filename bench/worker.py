@@ -51,10 +51,13 @@ def _grad_norm(model) -> float:
 
 
 def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int, quick: bool,
-            device: str, seed: int) -> dict:
+            device: str, seed: int, threads: int | None = None) -> dict:
     import statistics
 
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     from torch._dynamo.utils import counters
 
     from fxmem.models import build
@@ -157,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     a = p.parse_args(argv)
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     try:
-        result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed)
+        result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed, a.threads)
     except Exception as e:  # report, don't crash silently: the parent records the error
         traceback.print_exc()
         _emit({"model": a.model, "config": a.config, "status": "error",

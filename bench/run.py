@@ -1,0 +1,349 @@
+"""Run the benchmark: every (model, configuration) in a fresh subprocess; write JSON and markdown.
+
+    python bench/run.py --name foundation
+    python bench/run.py --name foundation --quick             # small shapes: writes foundation-quick.*
+    python bench/run.py --name lvl --models hf_llama --configs 'eager,fxmem-eager,fxmem-eager:{"level":1}'
+
+Writes ``bench/results/<name>.json`` (every measurement, the machine, the command) and
+``bench/results/<name>.md`` (a table; see bench/README.md for the columns). Both are rewritten
+after every measurement, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import configs  # noqa: E402
+from worker import RESULT_PREFIX  # noqa: E402
+
+LOSS_RTOL = 1e-5  # first-step loss vs eager
+GRAD_RTOL = 1e-4  # first-step gradient norm vs eager
+MIB = 2**20
+
+
+# --- progress ------------------------------------------------------------------------------
+
+
+class _Progress:
+    """tqdm if installed, else one plain line per run."""
+
+    def __init__(self, total: int):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self._bar = tqdm(total=total, unit="run", dynamic_ncols=True) if tqdm else None
+        self.total, self.done = total, 0
+
+    def start(self, label: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(label)
+        else:
+            print(f"[{self.done + 1}/{self.total}] {label} ...", flush=True)
+
+    def finish(self, line: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.write(line)
+            self._bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {line}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# --- machine and run info ------------------------------------------------------------------
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def machine_info() -> dict:
+    import torch
+
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = None
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    status = _git("status", "--porcelain", "--", "fxmem", "fxmem_kernels", "bench")
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+    }
+
+
+# --- one run -------------------------------------------------------------------------------
+
+
+def run_one(model: str, spec: str, a: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(HERE / "worker.py"), "--model", model, "--config", spec,
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--mem-steps", str(a.mem_steps),
+           "--device", a.device]
+    if a.quick:
+        cmd.append("--quick")
+    env = dict(os.environ)
+    if a.threads:
+        cmd += ["--threads", str(a.threads)]
+        env["OMP_NUM_THREADS"] = str(a.threads)
+    cache = None
+    if not a.shared_cache:
+        # A cold compile cache per run: compile times are comparable and no configuration
+        # reuses kernels another one compiled.
+        cache = tempfile.mkdtemp(prefix="fxmem-bench-cache-")
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+        out, err, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc = None
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    wall = time.perf_counter() - t0
+    result = None
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+            break
+    if result is None:
+        why = f"timed out after {a.timeout} s" if rc is None else f"worker exited with {rc} and no result"
+        result = {"model": model, "config": spec, "status": "error", "reason": why}
+    if result["status"] == "error":
+        result["stderr_tail"] = err[-4000:]
+    result["wall_s"] = wall
+    return result
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def annotate(results: list[dict]) -> None:
+    """Add ratios to eager and the loss / gradient check to every ok result, in place."""
+    base = {r["model"]: r for r in results if r["config"] == configs.BASELINE and r["status"] == "ok"}
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        b = base.get(r["model"])
+        if b is None:
+            r["check"] = "no eager baseline"
+            continue
+        if b["peak_bytes"]:
+            r["peak_vs_eager"] = r["peak_bytes"] / b["peak_bytes"]
+        if b["step_time_median_s"]:
+            r["time_vs_eager"] = r["step_time_median_s"] / b["step_time_median_s"]
+        r["loss_rel_diff"] = _rel(r["loss"], b["loss"])
+        r["grad_norm_rel_diff"] = _rel(r["grad_norm"], b["grad_norm"])
+        bad = []
+        if not r["loss_rel_diff"] <= LOSS_RTOL:
+            bad.append(f"loss {r['loss_rel_diff']:.1e}")
+        if not r["grad_norm_rel_diff"] <= GRAD_RTOL:
+            bad.append(f"grad {r['grad_norm_rel_diff']:.1e}")
+        r["check"] = "ok" if not bad else "MISMATCH " + ", ".join(bad)
+
+
+def _f(x, fmt: str, suffix: str = "") -> str:
+    return "" if x is None else format(x, fmt) + suffix
+
+
+def markdown(doc: dict) -> str:
+    m, run = doc["machine"], doc["run"]
+    lines = [
+        f"# Benchmark `{run['name']}`",
+        "",
+        f"`{run['command']}`",
+        "",
+        f"{m['date_utc']} UTC; torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; "
+        f"{m['cpu'] or 'unknown CPU'}, {m['cpu_count']} CPUs ({run.get('threads') or m['torch_threads']} torch threads)"
+        + (f", {m['cuda']}" if m.get("cuda") else "") + f"; device `{run['device']}`; "
+        f"commit `{(m['git_commit'] or '?')[:10]}`" + (" (uncommitted changes)" if m.get("git_dirty") else "") + ".",
+        "",
+        f"Per run: {run['warmup']} warm-up step(s) (the first compiles), {run['mem_steps']} profiled step(s) for the "
+        f"peak, {run['steps']} timed steps for the median. Peak = bytes allocated during forward + backward "
+        "(gradients included, parameters not). Ratios are to `eager` of the same model. "
+        "See bench/README.md.",
+        "",
+        "| model | config | peak MiB | peak / eager | after fwd MiB | step ms | time / eager | compile s | graphs | loss & grad vs eager |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    notes = []
+    for r in doc["results"]:
+        name = r["config"].replace("|", "\\|")
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {name} | {r['status']} | | | | | | | |")
+            notes.append(f"- {r['model']} / {r['config']}: {r['status']}: {r.get('reason', '')}")
+            continue
+        mib = lambda b: None if b is None else b / MIB  # noqa: E731
+        graphs = str(r.get("graphs", ""))
+        if r.get("graph_breaks"):
+            graphs += f" ({r['graph_breaks']} breaks)"
+        if r.get("recompiles"):
+            graphs += f" (+{r['recompiles']} recompiled)"
+        lines.append(
+            f"| {r['model']} | {name} | {_f(mib(r['peak_bytes']), '.1f')} | {_f(r.get('peak_vs_eager'), '.2f')} | "
+            f"{_f(mib(r.get('fwd_live_bytes')), '.1f')} | {_f(r['step_time_median_s'] * 1e3, '.0f')} | "
+            f"{_f(r.get('time_vs_eager'), '.2f')} | {_f(r['compile_s'], '.1f')} | {graphs} | {r.get('check', '')} |"
+        )
+    lines.append("")
+    shapes = "; ".join(f"`{k}` {', '.join(f'{a}={b}' for a, b in v.items())}" for k, v in run["model_kwargs"].items())
+    lines += [f"Models: {shapes}.", ""]
+    if notes:
+        lines += ["Not measured:", "", *notes, ""]
+    used = {r["config"] for r in doc["results"]}
+    lines += ["Configurations:", ""]
+    for spec in run["configs"]:
+        if spec in used:
+            c = configs.parse(spec)
+            lines.append(f"- `{spec}`: {c.description}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    annotate(doc["results"])
+    jp, mp = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    jp.write_text(json.dumps(doc, indent=1) + "\n")
+    mp.write_text(markdown(doc))
+    return jp, mp
+
+
+def _summary(r: dict) -> str:
+    head = f"{r['model']:<10} {r['config']:<22}"
+    if r["status"] != "ok":
+        return f"{head} {r['status']}: {r.get('reason', '')[:200]}"
+    return (f"{head} peak {r['peak_bytes'] / MIB:8.1f} MiB  step {r['step_time_median_s'] * 1e3:7.0f} ms  "
+            f"compile {r['compile_s']:5.1f} s  loss {r['loss']:.6f}")
+
+
+# --- main ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="fxmem benchmark: peak step memory and step time per (model, config)")
+    p.add_argument("--name", required=True, help="results go to <out-dir>/<name>.json and .md")
+    p.add_argument("--models", default=",".join(configs.DEFAULT_MODELS),
+                   help=f"comma-separated; known: {', '.join(configs.MODELS)}")
+    p.add_argument("--configs", default=",".join(configs.DEFAULT_CONFIGS),
+                   help="comma-separated names or 'name:{json options}'; known: " + ", ".join(configs.REGISTRY))
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, --quick 2)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps incl. the compiling one (default 2, --quick 1)")
+    p.add_argument("--mem-steps", type=int, default=1, help="profiled steps for the peak (default 1)")
+    p.add_argument("--quick", action="store_true", help="small shapes, fewer steps; writes <name>-quick.*")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: torch's; 1 is steadier on a busy machine)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
+    p.add_argument("--shared-cache", action="store_true",
+                   help="reuse the Inductor cache across runs (default: a cold cache per run)")
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    a = p.parse_args(argv)
+    a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    if a.warmup < 1 or a.steps < 1 or a.mem_steps < 1:
+        p.error("--warmup, --steps and --mem-steps must be >= 1")
+    name = a.name + ("-quick" if a.quick and not a.name.endswith("-quick") else "")
+
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    specs = configs.split_specs(a.configs)
+    try:  # fail on a typo now, not after an hour
+        for m in models:
+            configs.model_kwargs(m, a.quick)
+        for s in specs:
+            configs.parse(s)
+    except ValueError as e:
+        p.error(str(e))
+    if configs.BASELINE not in specs:
+        print(f"note: '{configs.BASELINE}' is not among the configs: no ratios or loss checks", file=sys.stderr)
+    else:  # measure the baseline first
+        specs = [configs.BASELINE] + [s for s in specs if s != configs.BASELINE]
+
+    doc = {
+        "machine": machine_info(),
+        "run": {
+            "name": name, "command": shlex.join(["python", os.path.relpath(__file__), *sys.argv[1:]])
+            if argv is None else shlex.join(["python", "bench/run.py", *argv]),
+            "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
+            "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads, "device": a.device, "shared_cache": a.shared_cache,
+            "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},
+            "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
+        },
+        "results": [],
+    }
+    out_dir = Path(a.out_dir)
+    runs = [(m, s) for m in models for s in specs]
+    bar = _Progress(len(runs))
+    t0 = time.perf_counter()
+    try:
+        for m, s in runs:
+            bar.start(f"{m} / {s}")
+            r = run_one(m, s, a)
+            doc["results"].append(r)
+            write(doc, out_dir, name)
+            bar.finish(_summary(r))
+    finally:
+        bar.close()
+    doc["run"]["total_s"] = time.perf_counter() - t0
+    jp, mp = write(doc, out_dir, name)
+    print(mp.read_text())
+    print(f"wrote {jp} and {mp} in {doc['run']['total_s']:.0f} s")
+    failed = [r for r in doc["results"] if r["status"] == "error"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
