@@ -71,6 +71,9 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied, as in GPT-2
+        for p in self.parameters():  # GPT-2's init: keeps the initial loss near log(vocab)
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
