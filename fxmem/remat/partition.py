@@ -11,33 +11,37 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..graph.joint import JointGraph
+from ..graph.sizes import SymbolicSizes
 from ..options import Options
+from .plan import Plan, plan
 from .split import Split, split
 
 log = logging.getLogger("fxmem")
 
 
-def plan_saved(joint: JointGraph, options: Options) -> list[fx.Node]:
-    """The saved set. For now: what a plain partition keeps (the planner replaces this)."""
-    return joint.default_saved()
-
-
 class Partitioner(CustomPartitionerFn):
     """AOTAutograd ``partition_fn`` and Inductor ``custom_partitioner_fn`` in one object.
 
-    Keeps every split it made in ``self.splits`` (latest last) for reports and tests.
+    Keeps every plan and split it made (latest last) for reports and tests.
     """
 
     def __init__(self, options: Options):
         self.options = options
+        self.plans: list[Plan] = []
         self.splits: list[Split] = []
+        self.sizes: list[SymbolicSizes] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         joint = JointGraph.of(gm, num_fwd_outputs)
-        result = split(joint, plan_saved(joint, self.options))
-        log.debug("split: %d saved tensors, %d saved symints, %d recomputed nodes",
-                  len(result.saved), len(result.saved_syms), len(result.recomputed))
+        sizes = SymbolicSizes.of(gm, self.options.plan_shape)
+        chosen = plan(joint, sizes, self.options)
+        result = split(joint, chosen.saved)
+        log.debug("plan: level %d, %d saved tensors (%d bytes at plan shape), %d recomputed nodes; %s",
+                  chosen.level, len(result.saved), chosen.saved_bytes, len(result.recomputed),
+                  "; ".join(chosen.notes))
+        self.plans.append(chosen)
         self.splits.append(result)
+        self.sizes.append(sizes)
         return result.fw, result.bw
 
     def __deepcopy__(self, memo: dict) -> "Partitioner":

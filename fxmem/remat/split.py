@@ -30,19 +30,44 @@ class Split:
     recomputed: tuple[fx.Node, ...]  # forward-side joint nodes that the backward runs again
 
 
-def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None) -> fx.GraphModule:
+def _late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> list[fx.Node]:
+    """``needed`` in an order where each node of ``late`` runs just before its first user.
+
+    Recomputed forward nodes are ``late``: computing them all at the start of the backward would
+    bring back the forward's peak; computing each just in time keeps one layer's worth alive.
+    """
+    order, done = [], set()
+    for root in gm.graph.nodes:
+        if root not in needed or root in late or root in done:
+            continue
+        stack = [(root, False)]
+        while stack:  # iterative post-order over the late inputs of ``root``
+            n, expanded = stack.pop()
+            if n in done:
+                continue
+            if expanded:
+                done.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a in late and a in needed and a not in done)
+    order.extend(n for n in gm.graph.nodes if n in needed and n not in done)  # late nodes nobody reads
+    return order
+
+
+def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
+             late: set[fx.Node] = frozenset()) -> fx.GraphModule:
     """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
         env[node] = graph.placeholder(node.name)
         env[node].meta = node.meta
-    needed = ancestors(outputs, stop=set(inputs))
-    for node in gm.graph.nodes:
-        if node in needed and node not in env:
-            if node.op == "placeholder":
-                raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
-            env[node] = graph.node_copy(node, lambda n: env[n])
+    needed = ancestors(outputs, stop=set(inputs)) - set(inputs)
+    for node in _late_order(gm, needed, late):
+        if node.op == "placeholder":
+            raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
+        env[node] = graph.node_copy(node, lambda n: env[n])
     out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     if descs is not None:
         out.meta["desc"] = descs
@@ -108,5 +133,6 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
     n_saved = len(tensors) + len(syms_sorted)
     fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
                   descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)])
-    bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:])
+    bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
+                  late=set(recomputed))
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))

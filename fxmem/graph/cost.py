@@ -1,0 +1,39 @@
+"""Cost model: the work of recomputing a node, in FLOPs (matmul-like ops) or touched elements."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from .sizes import SymbolicSizes, numel
+
+
+def _shape(arg, sizes: SymbolicSizes):
+    if isinstance(arg, fx.Node):
+        val = arg.meta.get("val")
+        return sizes.shape_at(val) if isinstance(val, torch.Tensor) else val
+    return arg
+
+
+def recompute_cost(node: fx.Node, sizes: SymbolicSizes) -> float:
+    """FLOPs for ops torch's flop counter knows (mm, attention, conv); else output elements.
+
+    Elementwise ops are memory-bound, so an element costs about as much time as a few FLOPs of a
+    matmul on a CPU or GPU; 1 per element is the usual first-order model.
+    """
+    if node.op != "call_function":
+        return 0.0
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    val = node.meta.get("val")
+    if formula is not None:
+        try:
+            out = sizes.shape_at(val[0] if isinstance(val, (tuple, list)) else val)
+            args = [_shape(a, sizes) for a in node.args]
+            kwargs = {k: _shape(v, sizes) for k, v in node.kwargs.items()}
+            return float(formula(*args, out_shape=out, **kwargs))
+        except Exception:  # a formula that wants arguments we do not shape: fall back
+            pass
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return float(sum(numel(sizes.shape_at(v)) for v in vals if isinstance(v, torch.Tensor)))

@@ -1,0 +1,115 @@
+"""Symbolic sizes: every tensor's bytes as a sympy expression of named input dimensions.
+
+With ``dynamic=True`` Dynamo's symbols (``s52``) stand for input dimensions; we name them after the
+first input they came from (``input_ids.size(0)``) so formulas read well. Static shapes give
+plain integers. ``SymbolicSizes.at(expr)`` evaluates a formula at the plan shape.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+
+_SOURCE = re.compile(r"\['([^'\]]+)'\]\.size\(\)\[(\d+)\]$")
+
+
+def readable(source_name: str) -> str:
+    """``L['kwargs']['input_ids'].size()[0]`` -> ``input_ids.size(0)``."""
+    m = _SOURCE.search(source_name)
+    return f"{m.group(1)}.size({m.group(2)})" if m else source_name
+
+
+def _dim(d) -> sympy.Expr:
+    return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
+
+
+def tensor_bytes(val) -> sympy.Expr:
+    """Bytes of a (fake) tensor, a tuple of tensors, or 0 for anything else."""
+    if isinstance(val, torch.Tensor):
+        return sympy.Mul(*[_dim(d) for d in val.shape], sympy.Integer(val.element_size()))
+    if isinstance(val, (tuple, list)):
+        return sympy.Add(*[tensor_bytes(v) for v in val], sympy.Integer(0))
+    return sympy.Integer(0)
+
+
+def _shape_env(gm: fx.GraphModule):
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        for d in ([v] if isinstance(v, torch.SymInt) else getattr(v, "shape", ())):
+            if isinstance(d, torch.SymInt):
+                return d.node.shape_env
+    return None
+
+
+@dataclass
+class SymbolicSizes:
+    """Byte formulas of a graph's nodes and the values of their symbols at the plan shape."""
+
+    names: dict[sympy.Symbol, str] = field(default_factory=dict)  # symbol -> readable name
+    values: dict[sympy.Symbol, int] = field(default_factory=dict)  # symbol -> value at plan shape
+    _cache: dict[fx.Node, sympy.Expr] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, plan_shape: Mapping[str, tuple[int, ...]] | None = None) -> "SymbolicSizes":
+        env = _shape_env(gm)
+        sizes = cls()
+        if env is None:
+            return sizes
+        for sym, sources in env.var_to_sources.items():
+            if sources and sym.name.startswith("s"):  # sizes; skip float/unbacked symbols
+                sizes.names[sym] = readable(sources[0].name)
+        for sym, val in env.backed_var_to_val.items():
+            if sym in sizes.names:
+                sizes.values[sym] = int(val)
+        if plan_shape:
+            sizes.values.update(sizes._resolve_plan_shape(plan_shape))
+        return sizes
+
+    def _resolve_plan_shape(self, plan_shape: Mapping[str, tuple[int, ...]]) -> dict[sympy.Symbol, int]:
+        by_name = {s.name: s for s in self.names}
+        out = {}
+        for key, dims in plan_shape.items():
+            if key in by_name and len(dims) == 1:  # by symbol name: {"s52": [64]}
+                out[by_name[key]] = dims[0]
+                continue
+            found = False
+            for sym, name in self.names.items():
+                m = re.fullmatch(rf"{re.escape(key)}\.size\((\d+)\)", name)
+                if m and int(m.group(1)) < len(dims):
+                    out[sym] = dims[int(m.group(1))]
+                    found = True
+            if not found:
+                known = sorted({n.split(".size")[0] for n in self.names.values()} | {s.name for s in self.names})
+                raise ValueError(f"option 'plan_shape': {key!r} names no dynamic input dimension; "
+                                 f"allowed: {', '.join(known) or 'none (the graph has static shapes)'}")
+        return out
+
+    def nbytes(self, node: fx.Node) -> sympy.Expr:
+        if node not in self._cache:
+            self._cache[node] = tensor_bytes(node.meta.get("val"))
+        return self._cache[node]
+
+    def at(self, expr: sympy.Expr) -> int:
+        """The formula's value at the plan shape."""
+        v = expr.xreplace(self.values) if expr.free_symbols else expr
+        try:
+            return int(v)
+        except TypeError:  # a symbol without a value (unbacked): count it as 1
+            return int(v.xreplace({s: 1 for s in v.free_symbols}))
+
+    def pretty(self, expr: sympy.Expr) -> str:
+        """The formula with readable symbol names."""
+        return str(expr.xreplace({s: sympy.Symbol(n) for s, n in self.names.items()}))
+
+    def shape_at(self, val) -> tuple[int, ...]:
+        return tuple(self.at(_dim(d)) for d in val.shape)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)

@@ -1,0 +1,65 @@
+"""The one place that says which aten ops may be recomputed, and from which level.
+
+CHEAP ops (pointwise, views, casts, cheap reductions, norms) are recomputable at every level.
+HEAVY ops (matmuls, attention, convolutions) only at level 1-2 (inside detected layers), under a
+memory budget, or when a user rule selects their cluster. Random ops are never recomputed here:
+their saved outputs keep the forward's values exactly. Anything not listed is never recomputed.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..graph.joint import is_random
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+CHEAP, HEAVY, NEVER = "cheap", "heavy", "never"
+
+_VIEWS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
+    aten.squeeze, aten.unsqueeze, aten.slice, aten.select, aten.split, aten.split_with_sizes,
+    aten.unbind, aten.alias, aten.detach, aten.as_strided, aten.narrow, aten.chunk, aten.unflatten,
+    aten.flatten, aten.view_as_real, aten.view_as_complex, aten.diagonal,
+}
+_COPIES = {
+    aten.clone, aten._to_copy, prims.convert_element_type, aten.contiguous, aten.cat, aten.stack,
+    aten.lift_fresh_copy, aten.full, aten.zeros, aten.ones, aten.scalar_tensor, aten.arange,
+    aten.full_like, aten.zeros_like, aten.ones_like, aten.empty, aten.where, aten.index,
+    aten.gather, aten.embedding, aten.constant_pad_nd, aten.repeat, aten.index_select,
+    aten.slice_scatter, aten.select_scatter, aten.tril, aten.triu, aten.masked_fill,
+}
+_REDUCTIONS_AND_NORMS = {
+    aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,
+    aten.std, aten.prod, aten.norm, aten.linalg_vector_norm, aten.logsumexp, aten.cumsum,
+    aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
+    aten._fused_rms_norm, aten.rsqrt, aten.any, aten.all, aten.argmax,
+}
+_HEAVY = {
+    aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
+    aten.native_batch_norm, aten._native_batch_norm_legit_functional,
+}
+
+
+def kind(node: fx.Node) -> str:
+    """CHEAP, HEAVY or NEVER for a call_function node."""
+    if node.op != "call_function" or is_random(node):
+        return NEVER
+    if node.target is operator.getitem:
+        return CHEAP
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is None:
+        return NEVER
+    if packet in _VIEWS or packet in _COPIES or packet in _REDUCTIONS_AND_NORMS:
+        return CHEAP
+    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return CHEAP
+    if packet in _HEAVY:
+        return HEAVY
+    return NEVER

@@ -1,0 +1,63 @@
+"""Transformer layers from the graph: which forward nodes belong to which repeated block.
+
+Dynamo records each node's module path (``node.meta["nn_module_stack"]``); a layer is the module
+path up to its first integer segment (``transformer.h.3``, ``model.layers.0``, ``blocks.2``),
+which covers plain ``nn.ModuleList`` models and Hugging Face models alike. Nodes that decompositions
+created without a path inherit the layer of their inputs. A layer's *boundary* is every tensor
+it reads from outside itself (the residual stream, plus small shared inputs such as rotary tables).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+from ..graph.joint import JointGraph
+
+_ITEM = re.compile(r"(?:\._modules)?\['?([^'\]]+)'?\]")
+
+
+def module_path(raw: str) -> list[str]:
+    """``L['args'][0]._modules['layers']._modules['0'].fc`` -> ``['layers', '0', 'fc']``."""
+    parts = [p for p in _ITEM.sub(lambda m: "." + m.group(1), raw).split(".") if p]
+    if parts[:1] == ["L"]:
+        parts = parts[1:]
+    if parts[:1] == ["self"]:
+        return parts[1:]
+    return parts[2:] if parts[:1] == ["args"] else parts[1:]
+
+
+def layer_key(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for raw, _ in reversed(list(stack.values())):
+        parts = module_path(raw)
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                return ".".join(parts[: i + 1])
+    return None
+
+
+def layers(joint: JointGraph) -> dict[fx.Node, str]:
+    """Forward node -> layer key, for nodes inside a repeated block."""
+    key: dict[fx.Node, str] = {}
+    for n in joint.gm.graph.nodes:
+        if n not in joint.forward or n.op != "call_function":
+            continue
+        k = layer_key(n)
+        if k is None:  # created by a decomposition: inherit from inputs, if they agree
+            ks = {key.get(a) for a in n.all_input_nodes if a.op != "placeholder"}
+            k = ks.pop() if len(ks) == 1 else None
+        if k is not None:
+            key[n] = k
+    return key
+
+
+def boundaries(joint: JointGraph, key: dict[fx.Node, str]) -> set[fx.Node]:
+    """Tensors a layer reads from outside itself (not graph inputs: those are kept anyway)."""
+    out = set()
+    for n, k in key.items():
+        for a in n.all_input_nodes:
+            if a.op != "placeholder" and key.get(a) != k and a in joint.forward:
+                out.add(a)
+    return out

@@ -1,0 +1,77 @@
+"""The min-cut: choose the saved set of minimum bytes (plus lambda x recompute cost).
+
+Each forward-side node ``n`` becomes an edge ``n.in -> n.out`` whose capacity is what saving ``n``
+costs (its bytes at the plan shape; 0 for graph inputs, which are alive anyway; infinite for what
+cannot be saved). Data edges ``u.out -> v.in`` are infinite. ``n.out -> sink`` where the backward
+reads ``n``. ``source -> n.in`` is infinite where ``n`` cannot be recomputed (it must come from the
+forward) and ``lam * cost(n)`` where it can: a node on the sink side is recomputed and pays its
+cost. A minimum cut is a saved set; of all minimum cuts we take the one closest to the sink, i.e.
+the least recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch.fx as fx
+from networkx.algorithms.flow import preflow_push
+
+from ..graph.joint import JointGraph, is_multi_output, is_sym
+
+SOURCE, SINK = "source", "sink"
+
+
+@dataclass(frozen=True)
+class CutProblem:
+    joint: JointGraph
+    nbytes: dict[fx.Node, int]  # bytes at the plan shape
+    cost: dict[fx.Node, float]  # recompute cost at the plan shape
+    recomputable: frozenset[fx.Node]  # may run again in backward
+    no_save: frozenset[fx.Node] = frozenset()  # must not be saved (user rules / annotations)
+
+
+def _network(p: CutProblem, lam: float) -> tuple[nx.DiGraph, list[fx.Node]]:
+    joint = p.joint
+    nodes = [n for n in joint.gm.graph.nodes
+             if n not in joint.backward and n.op in ("placeholder", "call_function") and not is_sym(n)]
+    inside = set(nodes)
+    g = nx.DiGraph()
+    for n in nodes:
+        cap = {}
+        if n.op == "placeholder":
+            cap = {"capacity": 0}
+        elif not is_multi_output(n) and n not in p.no_save:
+            cap = {"capacity": p.nbytes[n]}
+        g.add_edge((n, "in"), (n, "out"), **cap)  # no capacity attribute = infinite
+        if n.op == "placeholder" or (n in joint.forward and n not in p.recomputable):
+            g.add_edge(SOURCE, (n, "in"))
+        elif n in joint.forward:
+            g.add_edge(SOURCE, (n, "in"), capacity=lam * p.cost[n])
+        for u in n.users:
+            if u in inside:
+                g.add_edge((n, "out"), (u, "in"))
+            elif u in joint.backward or u.op == "output" and n in joint.bwd_outputs:
+                g.add_edge((n, "out"), SINK)
+    return g, nodes
+
+
+def solve(p: CutProblem, lam: float) -> list[fx.Node]:
+    """The saved set (joint-graph order) of the cheapest cut at recompute weight ``lam``."""
+    g, nodes = _network(p, lam)
+    if SINK not in g:
+        return []
+    r = preflow_push(g, SOURCE, SINK)
+    if r.graph["flow_value"] >= r.graph["inf"]:
+        bad = [n.name for n in nodes if n in p.no_save]
+        raise ValueError(f"no valid plan: nodes that may not be saved cannot be recomputed either ({bad[:8]})")
+    # Nodes that still reach the sink through residual capacity form the sink side.
+    sink_side, todo = {SINK}, [SINK]
+    while todo:
+        v = todo.pop()
+        for u in r.predecessors(v):
+            e = r[u][v]
+            if u not in sink_side and e["capacity"] - e["flow"] > 0:
+                sink_side.add(u)
+                todo.append(u)
+    return [n for n in nodes if (n, "in") not in sink_side and (n, "out") in sink_side]

@@ -1,0 +1,164 @@
+"""The recompute plan: levels, user rules, annotations and the memory budget, solved by min-cut."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import sympy
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..graph.cost import recompute_cost
+from ..graph.joint import JointGraph, is_multi_output, is_sym
+from ..graph.sizes import SymbolicSizes
+from ..options import Options
+from .allowlist import CHEAP, HEAVY, kind
+from .clusters import Cluster, find_clusters
+from .layers import boundaries, layers
+from .mincut import CutProblem, solve
+
+log = logging.getLogger("fxmem")
+
+TIEBREAK = 1e-6  # recompute weight when only bytes matter: picks the cheaper of equal-byte cuts
+_LAM_HI, _LAM_LO = 1e4, 1e-9
+
+
+class BudgetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Plan:
+    saved: tuple[fx.Node, ...]
+    level: int
+    lam: float
+    saved_bytes: int  # at the plan shape
+    saved_bytes_expr: sympy.Expr
+    clusters: tuple[Cluster, ...]
+    applied_rules: tuple[tuple[str, str, int], ...]  # (rule, cluster id, occurrences affected)
+    notes: tuple[str, ...]
+
+
+def _tagged(n: fx.Node, *policies) -> bool:
+    return n.meta.get("recompute") in policies
+
+
+def _annotations(joint: JointGraph) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(must save, must recompute) from torch.utils.checkpoint / selective-checkpoint tags."""
+    save = {n for n in joint.forward if _tagged(n, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)}
+    recompute = {n for n in joint.forward
+                 if _tagged(n, CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)}
+    # A checkpointed region's outputs feed untagged forward code: those are kept (as torch does).
+    for n in list(recompute):
+        graph_id = n.meta.get("ac_graph_id")
+        if any(u in joint.forward and (u not in recompute or u.meta.get("ac_graph_id") != graph_id)
+               for u in n.users):
+            recompute.discard(n)
+            save.add(n)
+    return save, recompute
+
+
+def _recomputable(joint: JointGraph, options: Options, notes: list[str]) -> set[fx.Node]:
+    cheap = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) == CHEAP}
+    if options.level == 0:
+        return cheap
+    key = layers(joint)
+    if not key:
+        notes.append(f"level {options.level}: no repeated layers found in the graph; using level 0's plan")
+        return cheap
+    inside = {n for n in key if kind(n) == HEAVY}
+    n_layers = len(set(key.values()))
+    notes.append(f"level {options.level}: {n_layers} layers found; everything inside them is recomputed "
+                 "from their boundary tensors")
+    return (cheap | inside) - boundaries(joint, key)
+
+
+def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx.Node],
+                 no_save: set[fx.Node], notes: list[str]) -> list[tuple[str, str, int]]:
+    applied = []
+    ids = sorted({c.id for c in clusters})
+    for rule in options.config:
+        matching = [c for c in clusters if c.id == rule.cluster]
+        if not matching:
+            msg = f"rule {rule}: cluster {rule.cluster!r} matches nothing; clusters in this graph: {', '.join(ids)}"
+            warnings.warn(msg, stacklevel=2)
+            notes.append(msg)
+            continue
+        chosen = matching if rule.count == -1 else matching[: rule.count]
+        for c in chosen:
+            if rule.strategy == 0:
+                recomputable.discard(c.stash)
+            else:
+                recomputable.update(n for n in c.nodes if kind(n) != "never")
+                no_save.add(c.stash)
+        applied.append((str(rule), rule.cluster, len(chosen)))
+    return applied
+
+
+def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
+    notes: list[str] = []
+    fwd_nodes = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
+    nbytes = {n: sizes.at(sizes.nbytes(n)) for n in fwd_nodes}
+    cost = {n: recompute_cost(n, sizes) for n in fwd_nodes}
+    stashed = joint.default_saved()
+    clusters = find_clusters(joint, stashed)
+    recomputable = _recomputable(joint, options, notes)
+    no_save: set[fx.Node] = set()
+    applied: list[tuple[str, str, int]] = []
+    if options.config and options.level > 0:
+        notes.append(f"level {options.level}: user config ignored (as in ONNX Runtime)")
+    elif options.config:
+        applied = _apply_rules(options, clusters, recomputable, no_save, notes)
+    must_save, must_recompute = _annotations(joint)
+    recomputable = (recomputable | must_recompute) - must_save
+    no_save = (no_save | {n for n in must_recompute if not is_multi_output(n)}) - must_save
+    if must_save or must_recompute:
+        notes.append(f"user annotations: {len(must_save)} must-save, {len(must_recompute)} recompute-tagged nodes")
+
+    def cut(recomp: set[fx.Node], lam: float) -> list[fx.Node]:
+        return solve(CutProblem(joint, nbytes, cost, frozenset(recomp), frozenset(no_save)), lam)
+
+    lam = TIEBREAK
+    saved = cut(recomputable, lam)
+    if options.memory_budget is not None:
+        saved, lam = _budgeted(joint, options, sizes, saved, recomputable, must_save, cut, notes)
+    expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n)],
+                     sympy.Integer(0))
+    return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
+                tuple(notes))
+
+
+def _budgeted(joint, options, sizes, saved0, recomputable, must_save, cut, notes):
+    """Least recompute cost with saved bytes within the budget: bisect the recompute weight."""
+
+    def nbytes(saved):
+        return sum(sizes.at(sizes.nbytes(n)) for n in saved if n.op != "placeholder")
+
+    level_bytes = nbytes(saved0)
+    budget = options.memory_budget
+    cap = int(budget * level_bytes) if isinstance(budget, float) else budget
+    anything = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) in (CHEAP, HEAVY)}
+    recomp = (recomputable | anything) - must_save
+    lo_saved = cut(recomp, _LAM_LO)
+    if nbytes(lo_saved) > cap:
+        raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
+                          f"the smallest feasible budget is {nbytes(lo_saved)} bytes "
+                          f"({nbytes(lo_saved) / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes})")
+    lo, hi = _LAM_LO, _LAM_HI  # lo is feasible
+    best = lo_saved
+    hi_saved = cut(recomp, hi)
+    if nbytes(hi_saved) <= cap:
+        lo, best = hi, hi_saved
+    else:
+        for _ in range(24):  # geometric bisection
+            mid = (lo * hi) ** 0.5
+            s = cut(recomp, mid)
+            if nbytes(s) <= cap:
+                lo, best = mid, s
+            else:
+                hi = mid
+    notes.append(f"memory budget {cap} bytes: saved {nbytes(best)} bytes (level {options.level} alone: "
+                 f"{level_bytes}), recompute weight {lo:.3g}")
+    return best, lo
