@@ -103,6 +103,13 @@ def machine_info() -> dict:
     except AttributeError:
         affinity = None
     status = _git("status", "--porcelain", "--", "fxmem", "fxmem_kernels", "bench")
+    try:
+        import fxmem
+
+        src = Path(fxmem.__file__).resolve().parent
+        fxmem_source = str(src.relative_to(HERE.parent)) if src.is_relative_to(HERE.parent) else str(src)
+    except ImportError:
+        fxmem_source = None
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(),
@@ -116,6 +123,7 @@ def machine_info() -> dict:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
+        "fxmem_source": fxmem_source,  # "fxmem" = this checkout's package
     }
 
 
@@ -129,14 +137,17 @@ def run_one(model: str, spec: str, a: argparse.Namespace) -> dict:
     if a.quick:
         cmd.append("--quick")
     env = dict(os.environ)
-    if a.threads:
+    if a.threads > 0:
         cmd += ["--threads", str(a.threads)]
         env["OMP_NUM_THREADS"] = str(a.threads)
     cache = None
-    if not a.shared_cache:
+    if a.cache == "worker":
         # A cold compile cache per run: compile times are comparable and no configuration
         # reuses kernels another one compiled.
         cache = tempfile.mkdtemp(prefix="fxmem-bench-cache-")
+    elif a.cache == "run":
+        cache = a.run_cache_dir
+    if cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     t0 = time.perf_counter()
@@ -148,7 +159,7 @@ def run_one(model: str, spec: str, a: argparse.Namespace) -> dict:
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
         rc = None
     finally:
-        if cache:
+        if a.cache == "worker":
             shutil.rmtree(cache, ignore_errors=True)
     wall = time.perf_counter() - t0
     result = None
@@ -215,7 +226,7 @@ def markdown(doc: dict) -> str:
         f"Per run: {run['warmup']} warm-up step(s) (the first compiles), {run['mem_steps']} profiled step(s) for the "
         f"peak, {run['steps']} timed steps for the median. Peak = bytes allocated during forward + backward "
         "(gradients included, parameters not). Ratios are to `eager` of the same model. "
-        "See bench/README.md.",
+        f"Inductor cache: `{run.get('cache')}`. See bench/README.md.",
         "",
         "| model | config | peak MiB | peak / eager | after fwd MiB | step ms | time / eager | compile s | graphs | loss & grad vs eager |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -285,17 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-steps", type=int, default=1, help="profiled steps for the peak (default 1)")
     p.add_argument("--quick", action="store_true", help="small shapes, fewer steps; writes <name>-quick.*")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker (default: torch's; 1 is steadier on a busy machine)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per worker (default 1: steady times on a shared machine; 0: torch's default)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
-    p.add_argument("--shared-cache", action="store_true",
-                   help="reuse the Inductor cache across runs (default: a cold cache per run)")
+    p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
+                   help="Inductor cache: a cold one per worker (default), one per run.py run, or the global "
+                        "one that persists across runs (default with --quick)")
     p.add_argument("--out-dir", default=str(HERE / "results"))
     a = p.parse_args(argv)
     a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     if a.warmup < 1 or a.steps < 1 or a.mem_steps < 1:
         p.error("--warmup, --steps and --mem-steps must be >= 1")
+    a.cache = a.cache or ("global" if a.quick else "worker")
     name = a.name + ("-quick" if a.quick and not a.name.endswith("-quick") else "")
 
     models = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -318,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "name": name, "command": shlex.join(["python", os.path.relpath(__file__), *sys.argv[1:]])
             if argv is None else shlex.join(["python", "bench/run.py", *argv]),
             "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
-            "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads, "device": a.device, "shared_cache": a.shared_cache,
+            "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device, "cache": a.cache,
             "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},
             "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
         },
@@ -328,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(m, s) for m in models for s in specs]
     bar = _Progress(len(runs))
     t0 = time.perf_counter()
+    a.run_cache_dir = tempfile.mkdtemp(prefix="fxmem-bench-cache-") if a.cache == "run" else None
     try:
         for m, s in runs:
             bar.start(f"{m} / {s}")
@@ -337,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             bar.finish(_summary(r))
     finally:
         bar.close()
+        if a.run_cache_dir:
+            shutil.rmtree(a.run_cache_dir, ignore_errors=True)
     doc["run"]["total_s"] = time.perf_counter() - t0
     jp, mp = write(doc, out_dir, name)
     print(mp.read_text())
