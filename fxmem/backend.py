@@ -8,22 +8,13 @@ import torch
 import torch.fx as fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.exc import ShortenTraceback
 
-from .options import Options, resolve
+from .options import OptionError, Options, resolve
 from .remat.partition import Partitioner
 
 
 # Every partitioner fxmem made, oldest first: the source for reports and tests.
 COMPILES: list[Partitioner] = []
-
-
-class OptionError(ValueError, ShortenTraceback):
-    """A bad option. Also a ShortenTraceback, so Dynamo re-raises it as is, not wrapped."""
-
-    def __init__(self, message: str):
-        ValueError.__init__(self, message)
-        self.first_useful_frame = None
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Any):

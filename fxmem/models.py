@@ -102,6 +102,7 @@ def hf_gpt2(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, dropout=0.0,
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
     )
     model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"  # else HF logs a warning inside forward: a graph break before the loss
     return Workload("hf_gpt2", model, _tokens(batch, seq, vocab, seed), _hf_loss)
 
 
@@ -114,6 +115,7 @@ def hf_llama(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, seed=0) -> 
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(seq, 1024),
     )
     model = LlamaForCausalLM(cfg)
+    model.loss_type = "ForCausalLM"
     return Workload("hf_llama", model, _tokens(batch, seq, vocab, seed), _hf_loss)
 
 

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from torch._dynamo.exc import ShortenTraceback
+
 ENV_LEVEL = "FXMEM_MEMORY_OPT_LEVEL"
 ENV_CONFIG = "FXMEM_MEMORY_OPT_CONFIG"
 ENV_REPORT = "FXMEM_REPORT"
@@ -24,6 +26,15 @@ LOWERING_PATTERNS = (
 _STRATEGIES = {0: "none", 1: "recompute", 2: "compromised"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class OptionError(ValueError, ShortenTraceback):
+    """A bad option found while compiling. Also a ShortenTraceback, so that Dynamo re-raises it
+    as it is instead of wrapping it in BackendCompilerFailed."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.first_useful_frame = None
 
 
 @dataclass(frozen=True)

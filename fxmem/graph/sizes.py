@@ -16,6 +16,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..options import OptionError
+
 _SOURCE = re.compile(r"\['([^'\]]+)'\]\.size\(\)\[(\d+)\]$")
 
 
@@ -86,7 +88,7 @@ class SymbolicSizes:
                     found = True
             if not found:
                 known = sorted({n.split(".size")[0] for n in self.names.values()} | {s.name for s in self.names})
-                raise ValueError(f"option 'plan_shape': {key!r} names no dynamic input dimension; "
+                raise OptionError(f"option 'plan_shape': {key!r} names no dynamic input dimension; "
                                  f"allowed: {', '.join(known) or 'none (the graph has static shapes)'}")
         return out
 

@@ -48,5 +48,6 @@ def find_clusters(joint: JointGraph, stashed: list[fx.Node]) -> list[Cluster]:
                     todo.append(a)
         nodes = tuple(sorted(seen, key=order.__getitem__))
         cid = "".join(op_name(n) + "+" for n in nodes if n.target is not operator.getitem)
-        out.append(Cluster(cid, s, nodes))
+        if cid:  # a bare getitem of a kept tuple is no cluster
+            out.append(Cluster(cid, s, nodes))
     return out

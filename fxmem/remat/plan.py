@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..graph.cost import recompute_cost
 from ..graph.joint import JointGraph, is_multi_output, is_sym
 from ..graph.sizes import SymbolicSizes
-from ..options import Options
+from ..options import OptionError, Options
 from .allowlist import CHEAP, HEAVY, kind
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, layers
@@ -25,7 +25,7 @@ TIEBREAK = 1e-6  # recompute weight when only bytes matter: picks the cheaper of
 _LAM_HI, _LAM_LO = 1e4, 1e-9
 
 
-class BudgetError(ValueError):
+class BudgetError(OptionError):
     pass
 
 
@@ -51,28 +51,26 @@ def _annotations(joint: JointGraph) -> tuple[set[fx.Node], set[fx.Node]]:
     recompute = {n for n in joint.forward
                  if _tagged(n, CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)}
     # A checkpointed region's outputs feed untagged forward code: those are kept (as torch does).
-    for n in list(recompute):
-        graph_id = n.meta.get("ac_graph_id")
-        if any(u in joint.forward and (u not in recompute or u.meta.get("ac_graph_id") != graph_id)
-               for u in n.users):
-            recompute.discard(n)
-            save.add(n)
+    outputs = {n for n in recompute if any(
+        u in joint.forward and (u not in recompute or u.meta.get("ac_graph_id") != n.meta.get("ac_graph_id"))
+        for u in n.users)}
+    save |= outputs
+    recompute -= outputs
     return save, recompute
 
 
-def _recomputable(joint: JointGraph, options: Options, notes: list[str]) -> set[fx.Node]:
+def _recomputable(joint: JointGraph, options: Options, key: dict[fx.Node, str], fences: set[fx.Node],
+                  notes: list[str]) -> set[fx.Node]:
     cheap = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) == CHEAP}
     if options.level == 0:
         return cheap
-    key = layers(joint)
     if not key:
         notes.append(f"level {options.level}: no repeated layers found in the graph; using level 0's plan")
         return cheap
     inside = {n for n in key if kind(n) == HEAVY}
-    n_layers = len(set(key.values()))
-    notes.append(f"level {options.level}: {n_layers} layers found; everything inside them is recomputed "
-                 "from their boundary tensors")
-    return (cheap | inside) - boundaries(joint, key)
+    notes.append(f"level {options.level}: {len(set(key.values()))} layers found; everything inside them is "
+                 "recomputed from their boundary tensors")
+    return (cheap | inside) - fences
 
 
 def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx.Node],
@@ -104,7 +102,9 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     cost = {n: recompute_cost(n, sizes) for n in fwd_nodes}
     stashed = joint.default_saved()
     clusters = find_clusters(joint, stashed)
-    recomputable = _recomputable(joint, options, notes)
+    key = layers(joint)
+    fences = boundaries(joint, key)  # layer inputs: recompute chains stop here at level 1 and under a budget
+    recomputable = _recomputable(joint, options, key, fences, notes)
     no_save: set[fx.Node] = set()
     applied: list[tuple[str, str, int]] = []
     if options.config and options.level > 0:
@@ -123,15 +123,19 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     lam = TIEBREAK
     saved = cut(recomputable, lam)
     if options.memory_budget is not None:
-        saved, lam = _budgeted(joint, options, sizes, saved, recomputable, must_save, cut, notes)
+        saved, lam = _budgeted(joint, options, sizes, saved, recomputable, must_save | fences, cut, notes)
     expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n)],
                      sympy.Integer(0))
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
                 tuple(notes))
 
 
-def _budgeted(joint, options, sizes, saved0, recomputable, must_save, cut, notes):
-    """Least recompute cost with saved bytes within the budget: bisect the recompute weight."""
+def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
+    """Least recompute cost with saved bytes within the budget: bisect the recompute weight.
+
+    Layer boundaries stay kept (``keep``): recomputing across them saves bytes on paper but
+    reruns earlier layers while later ones are alive, so the peak would not fall.
+    """
 
     def nbytes(saved):
         return sum(sizes.at(sizes.nbytes(n)) for n in saved if n.op != "placeholder")
@@ -140,7 +144,7 @@ def _budgeted(joint, options, sizes, saved0, recomputable, must_save, cut, notes
     budget = options.memory_budget
     cap = int(budget * level_bytes) if isinstance(budget, float) else budget
     anything = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) in (CHEAP, HEAVY)}
-    recomp = (recomputable | anything) - must_save
+    recomp = (recomputable | anything) - keep
     lo_saved = cut(recomp, _LAM_LO)
     if nbytes(lo_saved) > cap:
         raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "

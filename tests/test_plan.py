@@ -1,0 +1,175 @@
+"""The recompute planner: levels, rules, budget, annotations, dropout, and its byte accounting."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fxmem.backend import COMPILES
+from fxmem.models import build
+from fxmem.remat.plan import BudgetError
+from helpers import compare_step
+
+GPT = dict(batch=2, seq=32, layers=2, vocab=256)
+
+
+def _run(workload, **options):
+    """Compile with fxmem (eager inner), check loss and grads against eager; return the plan."""
+    before = len(COMPILES)
+    compare_step(workload, lambda m: torch.compile(m, backend="fxmem", options={"inner": "eager", **options}))
+    plans = [p for c in COMPILES[before:] for p in c.plans]
+    assert len(plans) == 1, "expected one graph"
+    return plans[0], COMPILES[-1].splits[-1], COMPILES[-1].sizes[-1]
+
+
+def _saved_bytes_at_runtime(workload, **options):
+    """Bytes of the tensors autograd actually keeps from the compiled forward (inputs excluded)."""
+    model = copy.deepcopy(workload.model)
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    keep = {id(t) for t in [*model.parameters(), *model.buffers(), *workload.batch.values()]}
+    seen = {}
+
+    def pack(t):
+        if id(t) not in keep and t.data_ptr() not in seen:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = workload.loss(compiled(**workload.batch))
+    loss.backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "mlp_chain"])
+def test_planned_bytes_equal_held_bytes(name):
+    w = build(name, **(GPT if name != "mlp_chain" else dict(batch=16, width=64, depth=4)))
+    plan, _, _ = _run(w)
+    torch._dynamo.reset()
+    assert _saved_bytes_at_runtime(w) == plan.saved_bytes
+
+
+def test_level0_recomputes_activation_instead_of_keeping_both():
+    """torch's min-cut keeps addmm and gelu(addmm) in an MLP; fxmem keeps one and recomputes gelu."""
+    w = build("mlp_chain", batch=16, width=64, depth=4)
+    plan, split, _ = _run(w)
+    targets = [str(n.target) for n in split.saved if n.op != "placeholder"]
+    assert not any("gelu" in t for t in targets), targets
+    assert any("gelu" in str(n.target) for n in split.recomputed)
+
+
+def test_levels_reduce_saved_bytes_and_keep_gradients():
+    w = build("hf_gpt2", **GPT)
+    p0, s0, _ = _run(w)
+    torch._dynamo.reset()
+    p1, s1, _ = _run(w, level=1)
+    assert any("2 layers found" in n for n in p1.notes)
+    assert p1.saved_bytes < 0.6 * p0.saved_bytes
+    assert any("mm" in str(n.target) for n in s1.recomputed)  # matmuls inside layers recomputed
+
+
+def test_rules_select_clusters_exactly():
+    w = build("hf_gpt2", **GPT)
+    p0, s0, _ = _run(w)
+    counts = {}
+    for c in p0.clusters:
+        counts[c.id] = counts.get(c.id, 0) + 1
+    cid = next(i for i, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n >= 2 and "mm" in i)
+    stashes = [c.stash for c in p0.clusters if c.id == cid]
+    torch._dynamo.reset()
+    p1, s1, _ = _run(w, config=[f"{cid}:1:1"])
+    assert p1.applied_rules == ((f"{cid}:1:1", cid, 1),)
+    saved1 = {n.name for n in s1.saved}
+    assert stashes[0].name not in saved1  # the first occurrence is recomputed
+    torch._dynamo.reset()
+    p2, s2, _ = _run(w, config=[f"{cid}:1:-1"])
+    assert p2.applied_rules == ((f"{cid}:1:-1", cid, len(stashes)),)
+    assert not {s.name for s in stashes} & {n.name for n in s2.saved}
+    assert p2.saved_bytes <= p1.saved_bytes <= p0.saved_bytes
+
+
+def test_unknown_cluster_warns_with_known_ids():
+    w = build("mlp_chain", batch=16, width=64, depth=3)
+    with pytest.warns(UserWarning, match=r"rule nosuch\+:1:-1: cluster 'nosuch\+' matches nothing; clusters in this graph: "):
+        _run(w, config=["nosuch+:1:-1"])
+
+
+def test_budget_monotone_and_within_cap():
+    w = build("hf_gpt2", **GPT)
+    p0, _, _ = _run(w)
+    last = None
+    for frac in (0.9, 0.6, 0.3):
+        torch._dynamo.reset()
+        p, _, _ = _run(w, memory_budget=frac)
+        assert p.saved_bytes <= frac * p0.saved_bytes
+        assert last is None or p.saved_bytes <= last
+        last = p.saved_bytes
+
+
+def test_infeasible_budget_names_smallest_feasible():
+    w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64)
+    model = copy.deepcopy(w.model)
+    with pytest.raises(BudgetError, match=r"option 'memory_budget': 1 \(1 bytes of saved activations\) is "
+                                          r"infeasible; the smallest feasible budget is \d+ bytes"):
+        w.loss(torch.compile(model, backend="fxmem", options={"inner": "eager", "memory_budget": 1})(**w.batch))
+
+
+class _Ckpt(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Linear(d, d)
+
+    def block(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+    def forward(self, x):
+        return self.c(checkpoint(self.block, x, use_reentrant=False)).pow(2).mean()
+
+
+def test_checkpoint_annotations_are_recomputed():
+    from fxmem.models import Workload
+
+    torch.manual_seed(0)
+    w = Workload("ckpt", _Ckpt(), {"x": torch.randn(8, 32)}, lambda out: out)
+    plan, split, _ = _run(w)
+    assert any("must-save" in n for n in plan.notes)
+    recomputed = {str(n.target) for n in split.recomputed}
+    assert any("addmm" in t for t in recomputed), recomputed  # the checkpointed matmul
+
+
+def test_dropout_gradients_bit_identical():
+    """Random ops are kept, never re-drawn: same seed, same gradients, bit for bit."""
+    w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64, dropout=0.3)
+    grads = []
+    for options in ({"level": 0}, {"level": 1}, None):
+        model = copy.deepcopy(w.model)
+        fn = model if options is None else torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+        torch.manual_seed(123)
+        w.loss(fn(**w.batch)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        torch._dynamo.reset()
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
+
+
+def test_plan_shape_changes_evaluation_point():
+    w = build("hf_llama", **GPT)
+    before = len(COMPILES)
+    model = copy.deepcopy(w.model)
+    opts = {"inner": "eager", "plan_shape": {"input_ids": [64, 128]}}
+    w.loss(torch.compile(model, backend="fxmem", options=opts, dynamic=True)(**w.batch)).backward()
+    plan, sizes = COMPILES[before].plans[-1], COMPILES[before].sizes[-1]
+    names = set(sizes.names.values())
+    assert {"input_ids.size(0)", "input_ids.size(1)"} <= names
+    assert sizes.at(plan.saved_bytes_expr) == plan.saved_bytes
+    assert "input_ids.size(0)" in sizes.pretty(plan.saved_bytes_expr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()
+        with pytest.raises(ValueError, match=r"option 'plan_shape': 'nosuch' names no dynamic input dimension"):
+            w.loss(torch.compile(copy.deepcopy(w.model), backend="fxmem", dynamic=True,
+                                 options={"inner": "eager", "plan_shape": {"nosuch": [2]}})(**w.batch))
