@@ -6,7 +6,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
-from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from .options import OptionError, Options, resolve
@@ -18,7 +17,16 @@ COMPILES: list[Partitioner] = []
 
 
 def _eager(gm: fx.GraphModule, example_inputs: Any):
-    return make_boxed_func(gm.forward)
+    """Run the graph as it is, boxed: the graph clears its argument list after unpacking it, so
+    each saved tensor is freed at its last use in the backward, not when the backward returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    run = gm.forward
+    box = lambda args: run(args)  # noqa: E731
+    box._boxed_call = True  # type: ignore[attr-defined]
+    return box
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
