@@ -8,25 +8,13 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
+from . import inner
 from .options import OptionError, Options, resolve
 from .remat.partition import Partitioner
 
 
 # Every partitioner fxmem made, oldest first: the source for reports and tests.
 COMPILES: list[Partitioner] = []
-
-
-def _eager(gm: fx.GraphModule, example_inputs: Any):
-    """Run the graph as it is, boxed: the graph clears its argument list after unpacking it, so
-    each saved tensor is freed at its last use in the backward, not when the backward returns."""
-    from torch.fx.graph import _BoxedCodeGen
-
-    gm.graph.set_codegen(_BoxedCodeGen())
-    gm.recompile()
-    run = gm.forward
-    box = lambda args: run(args)  # noqa: E731
-    box._boxed_call = True  # type: ignore[attr-defined]
-    return box
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
@@ -39,7 +27,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
         raise OptionError(str(e)) from None
     partitioner = Partitioner(opts)
     if opts.inner == "eager":
-        compiled = aot_autograd(fw_compiler=_eager, bw_compiler=_eager, partition_fn=partitioner)(gm, example_inputs)
+        compiled = aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=partitioner)(gm, example_inputs)
     else:
         from torch._inductor.compile_fx import compile_fx
 

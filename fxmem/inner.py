@@ -1,0 +1,100 @@
+"""Inner compilers: what runs fxmem's forward and backward graphs.
+
+``eager`` runs the graph modules as they are, with two memory habits of a real compiler: the
+boxed calling convention (inputs are freed at their last use) and in-place reuse of dead
+intermediates by elementwise ops (``add(a, b)`` writes into ``a`` when nothing reads ``a`` later).
+Inductor does both on its own.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# out-of-place op -> in-place op writing into its first argument (same values, bit for bit)
+_INPLACE = {aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor,
+            aten.mul.Tensor: aten.mul_.Tensor, aten.div.Tensor: aten.div_.Tensor}
+_COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
+
+
+def _fresh_contiguous(val, like) -> bool:
+    return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.shape == like.shape
+            and val.dtype == like.dtype and val.is_contiguous() and like.is_contiguous())
+
+
+def reuse_dead_buffers(gm: fx.GraphModule) -> int:
+    """Turn ``c = op(a, b)`` into ``c = op_(a, b)`` where ``a``'s storage dies at this node.
+
+    ``a``'s storage must have been allocated by this graph (not an input: the caller may hold
+    it), every node viewing that storage must be read no later than here, and ``c`` must have
+    ``a``'s shape, dtype and contiguous layout. Returns how many ops were rewritten.
+    """
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        aliases = (_is_view(n) or n.target is operator.getitem) and isinstance(n.args[0], fx.Node)
+        root[n] = root.get(n.args[0], n.args[0]) if aliases else n  # getitem: conservatively its tuple's
+    last_use: dict[fx.Node, int] = {}  # storage root -> position of the last read of any view of it
+    for n in nodes:
+        for a in n.all_input_nodes:
+            r = root[a]
+            last_use[r] = max(last_use.get(r, -1), pos[n])
+    def can_write(a, others, n) -> bool:
+        r = root.get(a) if isinstance(a, fx.Node) else None
+        return (r is not None and r.op == "call_function" and last_use[r] == pos[n]
+                and _fresh_contiguous(n.meta.get("val"), a.meta.get("val"))
+                and all(isinstance(b, (int, float)) or (_broadcasts_to(b, a) and root[b] is not r) for b in others))
+
+    rewritten = 0
+    for n in nodes:
+        if n.op != "call_function" or n.target not in _INPLACE or len(n.args) != 2:
+            continue
+        a, b = n.args
+        if can_write(a, [b], n):
+            n.target = _INPLACE[n.target]
+        elif n.target in _COMMUTATIVE and not n.kwargs and can_write(b, [a], n):  # x + y == y + x, bitwise
+            n.target, n.args = _INPLACE[n.target], (b, a)
+        else:
+            continue
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _broadcasts_to(b, a: fx.Node) -> bool:
+    if not isinstance(b, fx.Node):
+        return False
+    vb, va = b.meta.get("val"), a.meta.get("val")
+    if not isinstance(vb, torch.Tensor):
+        return False
+    try:
+        return torch.broadcast_shapes(vb.shape, va.shape) == va.shape
+    except RuntimeError:
+        return False
+
+
+def eager(gm: fx.GraphModule, example_inputs: Any):
+    """Run the graph as it is, boxed: the graph clears its argument list after unpacking it, so
+    each saved tensor is freed at its last use in the backward, not when the backward returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    reuse_dead_buffers(gm)
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    run = gm.forward
+    box = lambda args: run(args)  # noqa: E731
+    box._boxed_call = True  # type: ignore[attr-defined]
+    return box
