@@ -12,12 +12,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph.cost import recompute_cost
 from ..graph.joint import JointGraph, is_multi_output, is_sym
+from ..graph.liveness import simulate
 from ..graph.sizes import SymbolicSizes
 from ..options import OptionError, Options
 from .allowlist import CHEAP, HEAVY, kind
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, layers
 from .mincut import CutProblem, solve
+from .split import split
 
 log = logging.getLogger("fxmem")
 
@@ -130,11 +132,27 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
                 tuple(notes))
 
 
+def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
+    """Saved values that the backward reads before its (simulated) peak.
+
+    Recomputing one of them would only move it from the forward to just before the peak, where
+    it is alive either way (e.g. the log-softmax a cross-entropy backward starts from).
+    """
+    s = split(joint, saved)
+    nodes = list(s.bw.graph.nodes)
+    cutoff = nodes.index(simulate(s.bw, sizes).peak_at)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in s.saved}
+    return {by_name[ph.name] for ph in s.bw.graph.find_nodes(op="placeholder")
+            if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
+
+
 def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
     """Least recompute cost with saved bytes within the budget: bisect the recompute weight.
 
-    Layer boundaries stay kept (``keep``): recomputing across them saves bytes on paper but
-    reruns earlier layers while later ones are alive, so the peak would not fall.
+    Kept, so that a lower budget means a lower peak: layer boundaries (``keep``; recomputing
+    across them reruns earlier layers while later ones are alive) and what the backward reads
+    before its peak.
     """
 
     def nbytes(saved):
@@ -144,7 +162,8 @@ def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
     budget = options.memory_budget
     cap = int(budget * level_bytes) if isinstance(budget, float) else budget
     anything = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) in (CHEAP, HEAVY)}
-    recomp = (recomputable | anything) - keep
+    early = _read_before_backward_peak(joint, saved0, sizes)
+    recomp = (recomputable | anything) - keep - early
     lo_saved = cut(recomp, _LAM_LO)
     if nbytes(lo_saved) > cap:
         raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
