@@ -1,6 +1,7 @@
 """The recompute planner: levels, rules, budget, annotations, dropout, and its byte accounting."""
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -97,16 +98,35 @@ def test_unknown_cluster_warns_with_known_ids():
         _run(w, config=["nosuch+:1:-1"])
 
 
+def _peak(workload, options):
+    from fxmem.profiling import step_perf
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(workload.model)
+    fn = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    for _ in range(2):  # the second step is measured: no compile, same allocations
+        model.zero_grad(set_to_none=True)
+        with step_perf("cpu") as perf:
+            workload.loss(fn(**workload.batch)).backward()
+    return perf.result.peak_bytes
+
+
 def test_budget_monotone_and_within_cap():
     w = build("hf_gpt2", **GPT)
     p0, _, _ = _run(w)
-    last = None
-    for frac in (0.9, 0.6, 0.3):
+    torch._dynamo.reset()
+    with pytest.raises(BudgetError) as info:
+        _run(w, memory_budget=0.01)
+    floor = float(re.search(r"\(([0-9.]+) of level 0", str(info.value)).group(1))
+    last_bytes, last_peak = p0.saved_bytes, _peak(w, {})
+    for frac in sorted({0.95, 0.8, floor + 0.01}, reverse=True):
         torch._dynamo.reset()
         p, _, _ = _run(w, memory_budget=frac)
         assert p.saved_bytes <= frac * p0.saved_bytes
-        assert last is None or p.saved_bytes <= last
-        last = p.saved_bytes
+        assert p.saved_bytes <= last_bytes
+        peak = _peak(w, {"memory_budget": frac})
+        assert peak <= last_peak, f"budget {frac}: measured peak rose from {last_peak} to {peak}"
+        last_bytes, last_peak = p.saved_bytes, peak
 
 
 def test_infeasible_budget_names_smallest_feasible():
