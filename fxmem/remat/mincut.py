@@ -22,6 +22,10 @@ from ..graph.joint import JointGraph, is_multi_output, is_sym
 SOURCE, SINK = "source", "sink"
 
 
+class NoPlan(ValueError):
+    """The constraints leave no finite cut (something can be neither saved nor recomputed)."""
+
+
 @dataclass(frozen=True)
 class CutProblem:
     joint: JointGraph
@@ -61,10 +65,13 @@ def solve(p: CutProblem, lam: float) -> list[fx.Node]:
     g, nodes = _network(p, lam)
     if SINK not in g:
         return []
-    r = preflow_push(g, SOURCE, SINK)
-    if r.graph["flow_value"] >= r.graph["inf"]:
-        bad = [n.name for n in nodes if n in p.no_save]
-        raise ValueError(f"no valid plan: nodes that may not be saved cannot be recomputed either ({bad[:8]})")
+    try:
+        r = preflow_push(g, SOURCE, SINK)
+    except nx.NetworkXUnbounded:
+        r = None
+    if r is None or r.graph["flow_value"] >= r.graph["inf"]:
+        bad = [n.name for n in nodes if n in p.no_save and n not in p.recomputable]
+        raise NoPlan(f"values that may not be saved cannot be recomputed either: {', '.join(bad[:8]) or '?'}")
     # Nodes that still reach the sink through residual capacity form the sink side.
     sink_side, todo = {SINK}, [SINK]
     while todo:

@@ -18,7 +18,7 @@ from ..options import OptionError, Options
 from .allowlist import CHEAP, HEAVY, kind
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, layers
-from .mincut import CutProblem, solve
+from .mincut import CutProblem, NoPlan, solve
 from .split import split
 
 log = logging.getLogger("fxmem")
@@ -88,8 +88,9 @@ def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx
             continue
         chosen = matching if rule.count == -1 else matching[: rule.count]
         for c in chosen:
-            if rule.strategy == 0:
+            if rule.strategy == 0:  # the last rule for an occurrence wins
                 recomputable.discard(c.stash)
+                no_save.discard(c.stash)
             else:
                 recomputable.update(n for n in c.nodes if kind(n) != "never")
                 no_save.add(c.stash)
@@ -123,7 +124,14 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         return solve(CutProblem(joint, nbytes, cost, frozenset(recomp), frozenset(no_save)), lam)
 
     lam = TIEBREAK
-    saved = cut(recomputable, lam)
+    try:
+        saved = cut(recomputable, lam)
+    except NoPlan as e:  # e.g. a rule or tag asks to recompute what cannot be: keep those instead
+        msg = f"fxmem: the requested recomputation is impossible ({e}); those values are kept instead"
+        warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
+        no_save.clear()
+        saved = cut(recomputable, lam)
     if options.memory_budget is not None:
         saved, lam = _budgeted(joint, options, sizes, saved, recomputable, must_save | fences, cut, notes)
     expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n)],
