@@ -193,3 +193,31 @@ def test_plan_shape_changes_evaluation_point():
         with pytest.raises(ValueError, match=r"option 'plan_shape': 'nosuch' names no dynamic input dimension"):
             w.loss(torch.compile(copy.deepcopy(w.model), backend="fxmem", dynamic=True,
                                  options={"inner": "eager", "plan_shape": {"nosuch": [2]}})(**w.batch))
+
+
+def test_dynamic_plan_formula_holds_at_every_shape():
+    """One dynamic compile; its saved-bytes formula equals what autograd keeps at other shapes."""
+    w = build("hf_llama", **GPT)
+    model = copy.deepcopy(w.model)
+    before = len(COMPILES)
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager"}, dynamic=True)
+    keep = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    for batch, seq in [(2, 32), (3, 20), (5, 48)]:
+        inputs = build("hf_llama", batch=batch, seq=seq, layers=2, vocab=256).batch
+        held = []
+
+        def pack(t):
+            # graph inputs cost nothing extra; dynamic=True also lifts float attributes (eps) to
+            # 0-d float64 graph inputs
+            lifted = t.dim() == 0 and t.dtype == torch.float64
+            if not (id(t) in keep or lifted or any(t is v for v in inputs.values())):
+                held.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = w.loss(compiled(**inputs))
+        loss.backward()
+        assert len(COMPILES) == before + 1 and len(COMPILES[-1].plans) == 1  # compiled once
+        plan, sizes = COMPILES[-1].plans[-1], COMPILES[-1].sizes[-1]
+        values = {s: {"input_ids.size(0)": batch, "input_ids.size(1)": seq}[n] for s, n in sizes.names.items()}
+        assert int(plan.saved_bytes_expr.xreplace(values)) == sum(held), (batch, seq)
