@@ -102,7 +102,7 @@ def machine_info() -> dict:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
         affinity = None
-    status = _git("status", "--porcelain", "--", "fxmem", "fxmem_kernels", "bench")
+    status = _git("status", "--porcelain", "--", "fxmem", "fxmem_kernels", "bench", ":(exclude)bench/results")
     try:
         import fxmem
 
