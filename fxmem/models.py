@@ -23,7 +23,7 @@ class Workload:
 
     def step_loss(self, fn: Callable[..., Any] | None = None) -> torch.Tensor:
         """Loss of one forward of ``fn`` (default: the model) on the batch."""
-        return self.loss((fn or self.model)(**self.batch))
+        return self.loss((fn if fn is not None else self.model)(**self.batch))
 
 
 def _hf_loss(out: Any) -> torch.Tensor:
