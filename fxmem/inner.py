@@ -22,6 +22,21 @@ _INPLACE = {aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
 
 
+def _log_softmax_backward_into_grad(grad, output, dim, dtype):
+    # Row-wise two-pass kernel (sum, then write at the index it read): safe to alias grad and
+    # the result; tests/test_inner.py checks bit equality.
+    return aten._log_softmax_backward_data.out(grad, output, dim, dtype, out=grad)
+
+
+def _softmax_backward_into_grad(grad, output, dim, dtype):
+    return aten._softmax_backward_data.out(grad, output, dim, dtype, grad_input=grad)
+
+
+# ops whose first argument (the incoming gradient) can receive their result
+_INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
+               aten._softmax_backward_data.default: _softmax_backward_into_grad}
+
+
 def _is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None
@@ -59,6 +74,10 @@ def reuse_dead_buffers(gm: fx.GraphModule) -> int:
 
     rewritten = 0
     for n in nodes:
+        if n.op == "call_function" and n.target in _INTO_FIRST and can_write(n.args[0], [n.args[1]], n):
+            n.target = _INTO_FIRST[n.target]
+            rewritten += 1
+            continue
         if n.op != "call_function" or n.target not in _INPLACE or len(n.args) != 2:
             continue
         a, b = n.args

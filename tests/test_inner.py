@@ -70,3 +70,20 @@ def test_liveness_peak_of_known_graph():
     assert live.peak == 800 and live.peak_at.name.startswith("exp")  # x freed after exp (boxed)
     kept = simulate(gm, SymbolicSizes(), inputs_freed=False)
     assert kept.peak == 1200 and kept.peak_at.name.startswith("tanh")  # x, a, b
+
+
+def test_softmax_backwards_write_into_dead_gradient():
+    def f(x, g):
+        lsm = torch.log_softmax(x, -1)
+        sm = torch.softmax(x, -1)
+        grad = g * 2.0                       # fresh, dies at the backward op
+        a = aten._log_softmax_backward_data(grad, lsm, -1, torch.float32)
+        grad2 = g * 3.0
+        b = aten._softmax_backward_data(grad2, sm, -1, torch.float32)
+        return a, b
+
+    x, g = torch.randn(64, 333), torch.randn(64, 333)
+    gm = _trace(f, x, g)
+    assert reuse_dead_buffers(gm) == 2
+    for r, o in zip(f(x, g), gm(x, g)):
+        assert torch.equal(r, o)
