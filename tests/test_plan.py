@@ -164,7 +164,7 @@ def test_dropout_gradients_bit_identical():
     """Random ops are kept, never re-drawn: same seed, same gradients, bit for bit."""
     w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64, dropout=0.3)
     grads = []
-    for options in ({"level": 0}, {"level": 1}, None):
+    for options in ({"level": 0}, {"level": 1}, {"level": 2}, None):
         model = copy.deepcopy(w.model)
         fn = model if options is None else torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
         torch.manual_seed(123)
@@ -221,3 +221,21 @@ def test_dynamic_plan_formula_holds_at_every_shape():
         plan, sizes = COMPILES[-1].plans[-1], COMPILES[-1].sizes[-1]
         values = {s: {"input_ids.size(0)": batch, "input_ids.size(1)": seq}[n] for s, n in sizes.names.items()}
         assert int(plan.saved_bytes_expr.xreplace(values)) == sum(held), (batch, seq)
+
+
+def test_level2_keeps_dropout_masks_as_bitmasks():
+    """Gradients stay bit-identical (test_dropout_gradients_bit_identical); bytes shrink."""
+    w = build("tiny_gpt", batch=2, seq=64, layers=2, d=32, heads=2, vocab=64, dropout=0.3)
+    plans = {}
+    for level in (1, 2):
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", "level": level})
+        w.loss(compiled(**w.batch)).backward()
+        plans[level] = (COMPILES[-1].plans[-1], COMPILES[-1].splits[-1])
+    (p1, s1), (p2, s2) = plans[1], plans[2]
+    masks1 = sum(n.meta["val"].numel() for n in s1.saved if n.meta["val"].dtype == torch.bool)
+    masks2 = sum(n.meta["val"].numel() for n in s2.saved if n.meta["val"].dtype == torch.bool)
+    packed = sum(n.meta["val"].numel() for n in s2.saved if n.meta["val"].dtype == torch.uint8)
+    assert masks1 > 0 and masks2 == 0
+    assert packed * 8 >= masks1 and packed <= masks1 // 8 + 8 * 4  # a bit per element (+ padding)
+    assert p2.saved_bytes == p1.saved_bytes - masks1 + packed

@@ -13,6 +13,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..graph.joint import JointGraph
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
+from .compromise import pack_masks
 from .plan import Plan, plan
 from .split import Split, split
 
@@ -33,6 +34,8 @@ class Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         joint = JointGraph.of(gm, num_fwd_outputs)
+        if self.options.level == 2 and pack_masks(joint):
+            joint = JointGraph.of(gm, num_fwd_outputs)  # regions changed
         sizes = SymbolicSizes.of(gm, self.options.plan_shape)
         chosen = plan(joint, sizes, self.options)
         result = split(joint, chosen.saved)

@@ -1,0 +1,86 @@
+"""Level 2's compromised plans: keep a narrower tensor than the activation itself.
+
+Boolean masks (dropout's, comparison results) cost a byte an element; the backward can rebuild
+them from a bitmask at an eighth of that. ``pack_masks`` inserts the packing after each mask the
+backward reads and the unpacking before the backward's reads; the min-cut then keeps whichever
+is cheaper. Widening casts need no rewrite: the min-cut already keeps the narrower input of a
+cast when the cast can be recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from ..graph.joint import JointGraph
+
+aten = torch.ops.aten
+_MIN_NUMEL = 1024  # smaller masks are not worth two extra kernels
+
+
+def _call(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
+    node = graph.call_function(target, args)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    with fake_mode:
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def _static_numel(val) -> int | None:
+    return val.numel() if all(isinstance(d, int) for d in val.shape) else None
+
+
+def pack_masks(joint: JointGraph) -> int:
+    """Rewrite ``joint.gm`` in place; returns how many masks now have a bitmask to keep instead."""
+    graph = joint.gm.graph
+    packed = 0
+    for m in list(graph.nodes):
+        val = m.meta.get("val")
+        if (m.op not in ("call_function", "placeholder") or m in joint.backward or not isinstance(val, torch.Tensor)
+                or val.dtype != torch.bool):
+            continue
+        numel = _static_numel(val)
+        bw_users = [u for u in m.users if u in joint.backward]
+        if numel is None or numel < _MIN_NUMEL or not bw_users:
+            continue
+        fake = detect_fake_mode([val])
+        pad = (-numel) % 8
+        with graph.inserting_after(m):
+            flat = _call(graph, fake, aten.reshape.default, m, [-1])
+        with graph.inserting_after(flat):
+            byte = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.uint8})
+            with fake:
+                byte.meta["val"] = flat.meta["val"].to(torch.uint8)
+        with graph.inserting_after(byte):
+            padded = _call(graph, fake, aten.constant_pad_nd.default, byte, [0, pad], 0)
+        with graph.inserting_after(padded):
+            groups = _call(graph, fake, aten.view.default, padded, [(numel + pad) // 8, 8])
+        with graph.inserting_after(groups):
+            shifts = graph.call_function(aten.arange.start, (0, 8), {"dtype": torch.uint8, "device": val.device})
+            with fake:
+                shifts.meta["val"] = torch.arange(0, 8, dtype=torch.uint8, device=val.device)
+        with graph.inserting_after(shifts):
+            bits = _call(graph, fake, aten.bitwise_left_shift.Tensor, groups, shifts)
+        with graph.inserting_after(bits):
+            pack = graph.call_function(aten.sum.dim_IntList, (bits, [-1]), {"dtype": torch.uint8})
+            with fake:
+                pack.meta["val"] = bits.meta["val"].sum(-1, dtype=torch.uint8)
+        first_bw = min(bw_users, key=lambda u: list(graph.nodes).index(u))
+        with graph.inserting_before(first_bw):
+            spread = _call(graph, fake, aten.unsqueeze.default, pack, -1)
+            shifted = _call(graph, fake, aten.bitwise_right_shift.Tensor, spread, shifts)
+            one = _call(graph, fake, aten.bitwise_and.Scalar, shifted, 1)
+            flat_bits = _call(graph, fake, aten.view.default, one, [numel + pad])
+            trimmed = _call(graph, fake, aten.slice.Tensor, flat_bits, 0, 0, numel)
+            as_bool = graph.call_function(aten._to_copy.default, (trimmed,), {"dtype": torch.bool})
+            with fake:
+                as_bool.meta["val"] = trimmed.meta["val"].to(torch.bool)
+            mask = _call(graph, fake, aten.view.default, as_bool, list(val.shape))
+        for u in bw_users:
+            u.replace_input_with(m, mask)
+        packed += 1
+    if packed:
+        graph.lint()
+        joint.gm.recompile()
+    return packed
