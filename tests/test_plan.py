@@ -239,3 +239,14 @@ def test_level2_keeps_dropout_masks_as_bitmasks():
     assert masks1 > 0 and masks2 == 0
     assert packed * 8 >= masks1 and packed <= masks1 // 8 + 8 * 4  # a bit per element (+ padding)
     assert p2.saved_bytes == p1.saved_bytes - masks1 + packed
+
+
+def test_report_option_logs_the_plan_at_info(caplog):
+    import logging
+
+    w = build("hf_gpt2", **GPT)
+    with caplog.at_level(logging.INFO, logger="fxmem"):
+        _run(w, report=True, level=1)
+    text = caplog.text
+    assert "fxmem plan: level 1" in text and "layers found" in text
+    assert re.search(r"= \d+\*input_ids\.size\(0\)\*input_ids\.size\(1\)|= \d+ bytes", text)

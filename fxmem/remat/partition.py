@@ -39,9 +39,11 @@ class Partitioner(CustomPartitionerFn):
         sizes = SymbolicSizes.of(gm, self.options.plan_shape)
         chosen = plan(joint, sizes, self.options)
         result = split(joint, chosen.saved)
-        log.debug("plan: level %d, %d saved tensors (%d bytes at plan shape), %d recomputed nodes; %s",
-                  chosen.level, len(result.saved), chosen.saved_bytes, len(result.recomputed),
-                  "; ".join(chosen.notes))
+        log.log(logging.INFO if self.options.report else logging.DEBUG,
+                "fxmem plan: level %d, %d saved tensors = %s bytes (%d at the plan shape), %d recomputed "
+                "nodes, rules applied %s%s", chosen.level, len(result.saved), sizes.pretty(chosen.saved_bytes_expr),
+                chosen.saved_bytes, len(result.recomputed), list(chosen.applied_rules) or "none",
+                "".join(f"; {n}" for n in chosen.notes))
         self.plans.append(chosen)
         self.splits.append(result)
         self.sizes.append(sizes)
