@@ -8,11 +8,12 @@ Inductor does both on its own.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .graph.liveness import last_reads, storage_roots
 
 aten = torch.ops.aten
 
@@ -37,12 +38,6 @@ _INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_in
                aten._softmax_backward_data.default: _softmax_backward_into_grad}
 
 
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
-
-
 def _fresh_contiguous(val, like) -> bool:
     return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.shape == like.shape
             and val.dtype == like.dtype and val.is_contiguous() and like.is_contiguous())
@@ -57,15 +52,9 @@ def reuse_dead_buffers(gm: fx.GraphModule) -> int:
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    root: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        aliases = (_is_view(n) or n.target is operator.getitem) and isinstance(n.args[0], fx.Node)
-        root[n] = root.get(n.args[0], n.args[0]) if aliases else n  # getitem: conservatively its tuple's
-    last_use: dict[fx.Node, int] = {}  # storage root -> position of the last read of any view of it
-    for n in nodes:
-        for a in n.all_input_nodes:
-            r = root[a]
-            last_use[r] = max(last_use.get(r, -1), pos[n])
+    root = storage_roots(gm)  # a getitem counts as its whole tuple's storage: conservative
+    last_use = last_reads(gm, root)
+
     def can_write(a, others, n) -> bool:
         r = root.get(a) if isinstance(a, fx.Node) else None
         return (r is not None and r.op == "call_function" and last_use[r] == pos[n]

@@ -31,6 +31,16 @@ def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
+def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
+    """Storage root -> position of the last node reading it through any alias (the output node
+    reads what the graph returns)."""
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(gm.graph.nodes):
+        for a in n.all_input_nodes:
+            last[root[a]] = max(last.get(root[a], -1), i)
+    return last
+
+
 @dataclass(frozen=True)
 class Liveness:
     peak: int
@@ -42,10 +52,7 @@ def simulate(gm: fx.GraphModule, sizes: SymbolicSizes, inputs_freed: bool = True
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     root = storage_roots(gm)
-    last = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            last[root[a]] = max(last.get(root[a], -1), pos[n] if n.op != "output" else len(nodes))
+    last = last_reads(gm, root)
     live: dict[fx.Node, int] = {}
     peak, peak_at, snapshot = 0, None, ()
     for n in nodes:
