@@ -152,7 +152,24 @@ CONFIGS: list[Config] = [
            description="Inductor with torch._functorch.config.activation_memory_budget = 0.1"),
     Config("fxmem-eager", "fxmem", {"inner": "eager"}, description="fxmem with the eager inner compiler"),
     Config("fxmem-inductor", "fxmem", {"inner": "inductor"}, description="fxmem with the Inductor inner compiler"),
+    # The recompute planner (issue "[planner]"): level 1 and the memory-budget sweep.
+    Config("fxmem-eager-level1", "fxmem", {"inner": "eager", "level": 1},
+           description="fxmem level 1 (layerwise recompute), eager inner compiler"),
+    Config("fxmem-inductor-level1", "fxmem", {"inner": "inductor", "level": 1},
+           description="fxmem level 1 (layerwise recompute), Inductor inner compiler"),
 ]
+# Budget sweeps. fxmem's ``memory_budget`` as a float is a fraction of level 0's saved bytes;
+# Inductor's ``activation_memory_budget`` a fraction of its min-cut plan's. A fxmem budget below
+# its feasible floor fails at compile time (the result's status is then "infeasible").
+BUDGET_FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1)
+for _inner, _what in (("eager", "eager"), ("inductor", "Inductor")):
+    for _b in BUDGET_FRACTIONS:
+        CONFIGS.append(Config(f"fxmem-{_inner}+budget{_b}", "fxmem", {"inner": _inner, "memory_budget": _b},
+                              description=f"fxmem level 0, {_what} inner compiler, memory_budget = {_b} "
+                                          "(fraction of level 0's saved bytes)"))
+for _b in (0.9, 0.7, 0.3):  # 0.5 and 0.1 are registered above
+    CONFIGS.append(Config(f"inductor+budget{_b}", "inductor", {"activation_memory_budget": _b},
+                          description=f"Inductor with torch._functorch.config.activation_memory_budget = {_b}"))
 REGISTRY: dict[str, Config] = {c.name: c for c in CONFIGS}
 DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS)
 BASELINE = "eager"

@@ -207,6 +207,13 @@ def annotate(results: list[dict]) -> None:
         r["check"] = "ok" if not bad else "MISMATCH " + ", ".join(bad)
 
 
+def first_line(r: dict) -> str:
+    """The first line of a failed run's reason (the worker's ``reason_first_line`` if it has one)."""
+    if r.get("reason_first_line"):
+        return r["reason_first_line"]
+    return (r.get("reason", "").strip().splitlines() or [""])[0]
+
+
 def _f(x, fmt: str, suffix: str = "") -> str:
     return "" if x is None else format(x, fmt) + suffix
 
@@ -235,8 +242,11 @@ def markdown(doc: dict) -> str:
     for r in doc["results"]:
         name = r["config"].replace("|", "\\|")
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {name} | {r['status']} | | | | | | | |")
-            notes.append(f"- {r['model']} / {r['config']}: {r['status']}: {r.get('reason', '')}")
+            status = r["status"]
+            if status == "infeasible":
+                status = f"infeasible (floor {r['floor_fraction']:.3f})"
+            lines.append(f"| {r['model']} | {name} | {status} | | | | | | | |")
+            notes.append(f"- {r['model']} / {r['config']}: {status}: {first_line(r)}")
             continue
         mib = lambda b: None if b is None else b / MIB  # noqa: E731
         graphs = str(r.get("graphs", ""))
@@ -253,7 +263,7 @@ def markdown(doc: dict) -> str:
     shapes = "; ".join(f"`{k}` {', '.join(f'{a}={b}' for a, b in v.items())}" for k, v in run["model_kwargs"].items())
     lines += [f"Models: {shapes}.", ""]
     if notes:
-        lines += ["Not measured:", "", *notes, ""]
+        lines += ["Not measured (skipped, infeasible or failed; first line of the reason):", "", *notes, ""]
     used = {r["config"] for r in doc["results"]}
     lines += ["Configurations:", ""]
     for spec in run["configs"]:
@@ -276,7 +286,7 @@ def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
 def _summary(r: dict) -> str:
     head = f"{r['model']:<10} {r['config']:<22}"
     if r["status"] != "ok":
-        return f"{head} {r['status']}: {r.get('reason', '')[:200]}"
+        return f"{head} {r['status']}: {first_line(r)[:300]}"
     return (f"{head} peak {r['peak_bytes'] / MIB:8.1f} MiB  step {r['step_time_median_s'] * 1e3:7.0f} ms  "
             f"compile {r['compile_s']:5.1f} s  loss {r['loss']:.6f}")
 

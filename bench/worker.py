@@ -4,7 +4,8 @@
 
 ``bench/run.py`` starts one of these per pair, so compiled code, caches and allocator state never
 leak from one measurement into the next. The last stdout line starting with ``RESULT_PREFIX`` is
-the result, a JSON object (``status``: ``ok``, ``skipped`` or ``error``).
+the result, a JSON object (``status``: ``ok``, ``skipped``, ``error``, or ``infeasible``: an fxmem
+``memory_budget`` below its feasible floor, which fxmem rejects at compile time).
 
 One step: ``zero_grad(set_to_none=True)`` (outside the measured block), then forward, loss and
 backward. Steps, in order:
@@ -25,6 +26,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -150,6 +152,33 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     return result
 
 
+# fxmem's compile-time error for a memory budget below its feasible floor (fxmem/remat/plan.py).
+_INFEASIBLE = re.compile(r"is infeasible; the smallest feasible budget is (\d+) bytes \(([0-9.]+) of level (\d+)'s (\d+)\)")
+
+
+def error_result(model: str, spec: str, e: BaseException) -> dict:
+    """The result of a run that raised: ``error``, or ``infeasible`` for a budget below fxmem's floor.
+
+    ``reason_first_line`` is the first line of the innermost matching error's message (Dynamo
+    appends its own advice after a blank line), with the exception type in front.
+    """
+    chain, c = [], e
+    while c is not None and len(chain) < 20:
+        chain.append(c)
+        c = c.__cause__ or c.__context__
+    for c in chain:
+        m = _INFEASIBLE.search(str(c))
+        if m:
+            first = (str(c).strip().splitlines() or [""])[0]
+            return {"model": model, "config": spec, "status": "infeasible",
+                    "reason": f"{type(c).__name__}: {c}"[:2000], "reason_first_line": f"{type(c).__name__}: {first}",
+                    "floor_bytes": int(m.group(1)), "floor_fraction": float(m.group(2)),
+                    "floor_level": int(m.group(3)), "level_saved_bytes": int(m.group(4))}
+    first = (str(e).strip().splitlines() or [""])[0]
+    return {"model": model, "config": spec, "status": "error", "reason": f"{type(e).__name__}: {e}"[:2000],
+            "reason_first_line": f"{type(e).__name__}: {first}"[:500]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -168,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed, a.threads)
     except Exception as e:  # report, don't crash silently: the parent records the error
         traceback.print_exc()
-        _emit({"model": a.model, "config": a.config, "status": "error",
-               "reason": f"{type(e).__name__}: {e}"[:2000]})
+        _emit(error_result(a.model, a.config, e))
         return 1
     _emit(result)
     return 0

@@ -1,0 +1,232 @@
+"""Check the recompute planner's targets (issue "[planner]") against a benchmark run.
+
+    python bench/summarize_planner.py                      # bench/results/planner.{json,md}
+    python bench/summarize_planner.py --name planner-quick
+
+Reads ``bench/results/<name>.json`` (written by ``bench/run.py``) and appends a "Targets" section
+to ``bench/results/<name>.md``, replacing any earlier one (run.py rewrites the table above it,
+so rerunning this after run.py is always safe). Prints the section too.
+
+Targets, per target model (hf_gpt2, hf_llama) and inner compiler (eager, Inductor):
+
+- level 0 (``fxmem-<inner>``): peak <= 0.85 x the min-cut partitioner's with the same inner
+  compiler (``mincut_eager`` / ``inductor``), median step time <= 1.05 x its;
+- level 1 (``fxmem-<inner>-level1``): peak <= ``eager+hf_ckpt``'s, median step time <= its;
+- budget sweep (``fxmem-<inner>+budget<f>``, f = fraction of level 0's saved bytes): peak
+  non-increasing as f falls (level 0 counts as f = 1.0), and at each f peak <= and median step
+  time <= Inductor with ``activation_memory_budget`` = f (``inductor+budget<f>``; f = 1.0 is
+  plain ``inductor``). A budget below fxmem's feasible floor is rejected at compile time: shown as
+  "infeasible (floor F)", neither pass nor fail, and left out of the monotonicity check.
+
+Other models in the run (mlp_chain) get the same tables, marked informational, outside the tally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MIB = 2**20
+TARGET_MODELS = ("hf_gpt2", "hf_llama")
+INNERS = {  # inner compiler -> (label, min-cut baseline of the same inner compiler)
+    "eager": ("eager", "mincut_eager"),
+    "inductor": ("Inductor", "inductor"),
+}
+LEVEL0_PEAK, LEVEL0_TIME = 0.85, 1.05
+FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1)
+HEADING = "## Targets"
+
+
+def _fmt_frac(f: float) -> str:
+    return f"{f:g}"
+
+
+def _pf(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("pass" if ok else "**FAIL**")
+
+
+class Results:
+    def __init__(self, doc: dict):
+        self.by = {(r["model"], r["config"]): r for r in doc["results"]}
+
+    def get(self, model: str, config: str) -> dict | None:
+        r = self.by.get((model, config))
+        return r if r is not None and r["status"] == "ok" else None
+
+    def status(self, model: str, config: str) -> str:
+        r = self.by.get((model, config))
+        if r is None:
+            return "not run"
+        if r["status"] == "infeasible":
+            return f"infeasible (floor {r['floor_fraction']:.3f})"
+        return r["status"]
+
+
+def _mib(r: dict | None) -> str:
+    return "" if r is None else f"{r['peak_bytes'] / MIB:.1f}"
+
+
+def _ms(r: dict | None) -> str:
+    return "" if r is None else f"{r['step_time_median_s'] * 1e3:.0f}"
+
+
+def _time_ratio(a: dict, b: dict) -> tuple[float, str]:
+    """Median over median, and (for judging noise) fastest over fastest step."""
+    med = a["step_time_median_s"] / b["step_time_median_s"]
+    mins = min(a["step_times_s"]) / min(b["step_times_s"])
+    return med, f"{med:.2f} (min {mins:.2f})"
+
+
+def level0(res: Results, models: list[str], tally: dict) -> list[str]:
+    out = [f"### Level 0 vs the min-cut partitioner (peak <= {LEVEL0_PEAK}x, step time <= {LEVEL0_TIME}x)", "",
+           "| model | inner | fxmem peak MiB | min-cut peak MiB | peak ratio | peak | fxmem ms | min-cut ms | "
+           "time ratio (median; min) | time |",
+           "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for m in models:
+        for inner, (label, base) in INNERS.items():
+            a, b = res.get(m, f"fxmem-{inner}"), res.get(m, base)
+            name = m if m in TARGET_MODELS else f"{m} (informational)"
+            if a is None or b is None:
+                why = f"fxmem-{inner}: {res.status(m, f'fxmem-{inner}')}; {base}: {res.status(m, base)}"
+                out.append(f"| {name} | {label} ({base}) | {_mib(a)} | {_mib(b)} | {why} | **FAIL** | | | | **FAIL** |")
+                _count(tally, m, False, False)
+                continue
+            pr = a["peak_bytes"] / b["peak_bytes"]
+            tr, trs = _time_ratio(a, b)
+            pok, tok = pr <= LEVEL0_PEAK, tr <= LEVEL0_TIME
+            out.append(f"| {name} | {label} ({base}) | {_mib(a)} | {_mib(b)} | {pr:.3f} | {_pf(pok)} | {_ms(a)} | "
+                       f"{_ms(b)} | {trs} | {_pf(tok)} |")
+            _count(tally, m, pok, tok)
+    return out + [""]
+
+
+def level1(res: Results, models: list[str], tally: dict) -> list[str]:
+    out = ["### Level 1 vs eager + HF gradient checkpointing (peak <= 1x, step time <= 1x)", "",
+           "| model | inner | fxmem L1 peak MiB | hf_ckpt peak MiB | peak ratio | peak | fxmem L1 ms | hf_ckpt ms | "
+           "time ratio (median; min) | time |",
+           "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for m in models:
+        for inner, (label, _) in INNERS.items():
+            cfg = f"fxmem-{inner}-level1"
+            a, b = res.get(m, cfg), res.get(m, "eager+hf_ckpt")
+            name = m if m in TARGET_MODELS else f"{m} (informational)"
+            if b is None and res.status(m, "eager+hf_ckpt") == "skipped":
+                out.append(f"| {name} | {label} | {_mib(a) or res.status(m, cfg)} | skipped (no HF checkpointing) | "
+                           f"| n/a | {_ms(a)} | | | n/a |")
+                continue
+            if a is None or b is None:
+                why = f"{cfg}: {res.status(m, cfg)}; eager+hf_ckpt: {res.status(m, 'eager+hf_ckpt')}"
+                out.append(f"| {name} | {label} | {_mib(a)} | {_mib(b)} | {why} | **FAIL** | | | | **FAIL** |")
+                _count(tally, m, False, False)
+                continue
+            pr = a["peak_bytes"] / b["peak_bytes"]
+            tr, trs = _time_ratio(a, b)
+            pok, tok = a["peak_bytes"] <= b["peak_bytes"], tr <= 1.0
+            out.append(f"| {name} | {label} | {_mib(a)} | {_mib(b)} | {pr:.3f} | {_pf(pok)} | {_ms(a)} | {_ms(b)} | "
+                       f"{trs} | {_pf(tok)} |")
+            _count(tally, m, pok, tok)
+    return out + [""]
+
+
+def sweep(res: Results, models: list[str], tally: dict) -> list[str]:
+    out = ["### Budget sweep vs Inductor's `activation_memory_budget` at the same fraction", "",
+           "fxmem: `memory_budget` = fraction of level 0's saved bytes; Inductor: `activation_memory_budget` "
+           "(a fraction of its own min-cut plan's). Row 1.0 is level 0 vs plain `inductor` (the reference the "
+           "sweep starts from; its peak/time columns are not targets). \"monotone\": peak <= the previous "
+           "feasible row's (higher fraction). \"pass\": monotone, peak <= Inductor's and median time <= "
+           "Inductor's. With the eager inner compiler the time comparison is against Inductor too (there is "
+           "no eager-inner `activation_memory_budget` baseline in the run).", ""]
+    for m in models:
+        for inner, (label, _) in INNERS.items():
+            name = m if m in TARGET_MODELS else f"{m} (informational)"
+            out += [f"**{name}, {label} inner**", "",
+                    "| fraction | fxmem peak MiB | Inductor peak MiB | peak <= Inductor | fxmem ms | Inductor ms | "
+                    "time ratio (median; min) | time <= Inductor | monotone | pass |",
+                    "|---:|---:|---:|---|---:|---:|---:|---|---|---|"]
+            prev = res.get(m, f"fxmem-{inner}")
+            rows = [(1.0, f"fxmem-{inner}", "inductor")] + [
+                (f, f"fxmem-{inner}+budget{_fmt_frac(f)}", f"inductor+budget{_fmt_frac(f)}") for f in FRACTIONS]
+            mono_all = True
+            for f, cfg, icfg in rows:
+                a, b = res.get(m, cfg), res.get(m, icfg)
+                ref = f == 1.0
+                frac = "1.0 (level 0 / `inductor`)" if ref else _fmt_frac(f)
+                fxcell = _mib(a) or res.status(m, cfg)
+                icell = _mib(b) or res.status(m, icfg)
+                if a is None:
+                    infeasible = res.status(m, cfg).startswith("infeasible")
+                    verdict = "n/a" if (infeasible or ref) else "**FAIL**"
+                    out.append(f"| {frac} | {fxcell} | {icell} | | | {_ms(b)} | | | | {verdict} |")
+                    if not (infeasible or ref):
+                        _count(tally, m, False)
+                    continue
+                mono = None
+                if not ref:
+                    mono = prev is None or a["peak_bytes"] <= prev["peak_bytes"]
+                    mono_all &= mono
+                    prev = a
+                pok = tok = None
+                trs = ""
+                if b is not None:
+                    pok = a["peak_bytes"] <= b["peak_bytes"]
+                    tr, trs = _time_ratio(a, b)
+                    tok = tr <= 1.0
+                if ref:
+                    verdict = "reference"
+                else:
+                    ok = bool(mono) and pok is True and tok is True
+                    verdict = _pf(ok)
+                    _count(tally, m, ok)
+                out.append(f"| {frac} | {fxcell} | {icell} | {_pf(pok) if pok is not None else ''} | "
+                           f"{_ms(a)} | {_ms(b)} | {trs} | {_pf(tok) if tok is not None else ''} | "
+                           f"{'' if mono is None else ('yes' if mono else '**NO**')} | {verdict} |")
+            out += ["", f"Monotone (feasible budgets, level 0 first): {'yes' if mono_all else '**NO**'}.", ""]
+    return out
+
+
+def _count(tally: dict, model: str, *oks: bool) -> None:
+    if model not in TARGET_MODELS:
+        return
+    for ok in oks:
+        tally["pass" if ok else "fail"] += 1
+
+
+def targets(doc: dict) -> str:
+    res = Results(doc)
+    models = list(doc["run"]["models"])
+    models = [m for m in TARGET_MODELS if m in models] + [m for m in models if m not in TARGET_MODELS]
+    tally = {"pass": 0, "fail": 0}
+    body = level0(res, models, tally) + level1(res, models, tally) + sweep(res, models, tally)
+    head = [HEADING, "",
+            "Written by `python bench/summarize_planner.py` from the JSON of this run. Target models: "
+            + ", ".join(f"`{m}`" for m in TARGET_MODELS) + "; others are informational and not counted. Time "
+            "ratios are of median step times; \"min\" is the ratio of the fastest steps, to judge timing noise "
+            "(see `step_times_s` in the JSON). Peaks are exact (CPU profiler), times are not.", "",
+            f"Tally over the target models: {tally['pass']} pass, {tally['fail']} fail "
+            "(infeasible budgets and the 1.0 reference rows not counted).", ""]
+    return "\n".join(head + body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--name", default="planner")
+    p.add_argument("--dir", default=str(HERE / "results"))
+    a = p.parse_args(argv)
+    d = Path(a.dir)
+    doc = json.loads((d / f"{a.name}.json").read_text())
+    md_path = d / f"{a.name}.md"
+    md = md_path.read_text()
+    cut = md.find("\n" + HEADING + "\n")
+    if cut >= 0:
+        md = md[:cut + 1]
+    section = targets(doc)
+    md_path.write_text(md.rstrip("\n") + "\n\n" + section)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
