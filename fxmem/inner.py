@@ -33,6 +33,10 @@ def _softmax_backward_into_grad(grad, output, dim, dtype):
     return aten._softmax_backward_data.out(grad, output, dim, dtype, grad_input=grad)
 
 
+_log_softmax_backward_into_grad._fxmem_writes_first = True  # liveness: no new storage
+_softmax_backward_into_grad._fxmem_writes_first = True
+
+
 # ops whose first argument (the incoming gradient) can receive their result
 _INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
                aten._softmax_backward_data.default: _softmax_backward_into_grad}

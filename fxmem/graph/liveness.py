@@ -1,32 +1,34 @@
-"""Liveness: simulate a graph's allocations in order and find its peak.
+"""Liveness: a graph's allocations in order, as a schedule of byte formulas, and its peak.
 
-Every non-view op allocates its output; a storage is freed after the last read of any node that
-views it (boxed graphs free their inputs the same way). Graph outputs stay alive.
+Every op that is not a view, a getitem or an in-place write allocates its output; a storage is
+freed after the last read of any node aliasing it (boxed graphs free their inputs the same way).
+Graph outputs stay alive. The schedule holds formulas, so one schedule gives the peak at any shape.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
+import sympy
 import torch.fx as fx
 
 from .sizes import SymbolicSizes
 
 
 def is_alias(node: fx.Node) -> bool:
-    """A view or a getitem: shares its input's storage."""
-    if node.target is operator.getitem:
+    """Shares its first input's storage: a view, a getitem, or an in-place op."""
+    if node.target is operator.getitem or getattr(node.target, "_fxmem_writes_first", False):
         return True
     schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
 def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     root: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
-        aliases = n.op == "call_function" and is_alias(n) and isinstance(n.args[0], fx.Node)
+        aliases = n.op == "call_function" and is_alias(n) and n.args and isinstance(n.args[0], fx.Node)
         root[n] = root.get(n.args[0], n.args[0]) if aliases else n
     return root
 
@@ -41,28 +43,55 @@ def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node
     return last
 
 
+Event = tuple[str, str, sympy.Expr]  # ("alloc", name, bytes) or ("free", name, bytes)
+
+
+def schedule(gm: fx.GraphModule, sizes: SymbolicSizes,
+             counted: Callable[[fx.Node], bool] = lambda n: True) -> list[Event]:
+    """Allocations and frees in execution order. Placeholders for which ``counted`` is false are
+    not counted (they exist before the graph runs and outlive it, e.g. parameters)."""
+    nodes = list(gm.graph.nodes)
+    root = storage_roots(gm)
+    last = last_reads(gm, root)
+    events: list[Event] = []
+    live: dict[fx.Node, sympy.Expr] = {}
+    for i, n in enumerate(nodes):
+        if (n.op == "placeholder" and counted(n)) or (n.op == "call_function" and root[n] is n):
+            live[n] = sizes.nbytes(n)
+            events.append(("alloc", n.name, live[n]))
+        for r in [r for r in live if last.get(r, i) == i]:
+            events.append(("free", r.name, live.pop(r)))
+    return events
+
+
 @dataclass(frozen=True)
 class Liveness:
     peak: int
-    peak_at: fx.Node | None
+    peak_at: str | None  # the node whose allocation reached the peak
     live_at_peak: tuple[tuple[str, int], ...]  # (node name, bytes), largest first
 
 
+def peak(events: list[Event], values: Mapping[sympy.Symbol, int], base: int = 0) -> Liveness:
+    """Walk a schedule at the given symbol values; ``base`` bytes are alive throughout."""
+    live: dict[str, int] = {}
+    total, best, at, snapshot = base, base, None, ()
+    for kind, name, expr in events:
+        b = int(expr.xreplace(values)) if expr.free_symbols else int(expr)
+        if kind == "alloc":
+            live[name] = b
+            total += b
+            if total > best:
+                best, at = total, name
+                snapshot = tuple(sorted(live.items(), key=lambda kv: -kv[1]))
+        else:
+            total -= live.pop(name)
+    return Liveness(best, at, snapshot)
+
+
 def simulate(gm: fx.GraphModule, sizes: SymbolicSizes, inputs_freed: bool = True) -> Liveness:
-    nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    root = storage_roots(gm)
-    last = last_reads(gm, root)
-    live: dict[fx.Node, int] = {}
-    peak, peak_at, snapshot = 0, None, ()
-    for n in nodes:
-        if n.op == "placeholder" or (n.op == "call_function" and root[n] is n):
-            live[n] = sizes.at(sizes.nbytes(n))
-        total = sum(live.values())
-        if total > peak:
-            peak, peak_at = total, n
-            snapshot = tuple(sorted(((k.name, v) for k, v in live.items()), key=lambda kv: -kv[1]))
-        for r in [r for r in live if last.get(r, -1) == pos[n] or (last.get(r) is None and r is n)]:
-            if r.op != "placeholder" or inputs_freed:
-                del live[r]
-    return Liveness(peak, peak_at, snapshot)
+    """The peak at the plan shape. ``inputs_freed=False``: inputs stay alive to the end."""
+    events = schedule(gm, sizes)
+    if not inputs_freed:
+        inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+        events = [e for e in events if not (e[0] == "free" and e[1] in inputs)]
+    return peak(events, sizes.values)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch.fx as fx
@@ -41,6 +41,19 @@ class Plan:
     clusters: tuple[Cluster, ...]
     applied_rules: tuple[tuple[str, str, int], ...]  # (rule, cluster id, occurrences affected)
     notes: tuple[str, ...]
+    problem: CutProblem | None = field(default=None, compare=False, repr=False)  # for frontiers
+
+    def frontier(self, lams=tuple(10.0 ** k for k in range(-9, 5))) -> list[tuple[int, float, float]]:
+        """(saved bytes, recompute cost, lambda) of the cheapest cut at each recompute weight."""
+        from .split import split as split_
+
+        out = []
+        for lam in lams:
+            saved = solve(self.problem, lam)
+            recomputed = split_(self.problem.joint, saved).recomputed
+            out.append((sum(self.problem.nbytes.get(n, 0) for n in saved if n.op != "placeholder"),
+                        sum(self.problem.cost.get(n, 0.0) for n in recomputed), lam))
+        return out
 
 
 def _tagged(n: fx.Node, *policies) -> bool:
@@ -123,7 +136,7 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     def cut(recomp: set[fx.Node], lam: float) -> list[fx.Node]:
         return solve(CutProblem(joint, nbytes, cost, frozenset(recomp), frozenset(no_save)), lam)
 
-    lam = TIEBREAK
+    lam, final = TIEBREAK, recomputable
     try:
         saved = cut(recomputable, lam)
     except NoPlan as e:  # e.g. a rule or tag asks to recompute what cannot be: keep those instead
@@ -133,11 +146,11 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         no_save.clear()
         saved = cut(recomputable, lam)
     if options.memory_budget is not None:
-        saved, lam = _budgeted(joint, options, sizes, saved, recomputable, must_save | fences, cut, notes)
+        saved, lam, final = _budgeted(joint, options, sizes, saved, recomputable, must_save | fences, cut, notes)
     expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n)],
                      sympy.Integer(0))
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
-                tuple(notes))
+                tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)))
 
 
 def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
@@ -148,7 +161,8 @@ def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: S
     """
     s = split(joint, saved)
     nodes = list(s.bw.graph.nodes)
-    cutoff = nodes.index(simulate(s.bw, sizes).peak_at)
+    at = simulate(s.bw, sizes).peak_at
+    cutoff = next(i for i, n in enumerate(nodes) if n.name == at)
     pos = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in s.saved}
     return {by_name[ph.name] for ph in s.bw.graph.find_nodes(op="placeholder")
@@ -192,4 +206,4 @@ def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
                 hi = mid
     notes.append(f"memory budget {cap} bytes: saved {nbytes(best)} bytes (level {options.level} alone: "
                  f"{level_bytes}), recompute weight {lo:.3g}")
-    return best, lo
+    return best, lo, recomp
