@@ -5,8 +5,9 @@
 
 from .backend import fxmem_backend, register
 from .options import Options, Rule, resolve
+from .report import MemoryReport, explain, report
 
 __version__ = "0.1.0"
-__all__ = ["Options", "Rule", "fxmem_backend", "resolve", "__version__"]
+__all__ = ["MemoryReport", "Options", "Rule", "explain", "fxmem_backend", "report", "resolve", "__version__"]
 
 register()

@@ -25,7 +25,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
         opts = resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
-    partitioner = Partitioner(opts)
+    partitioner = Partitioner(opts, frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor)))
     if opts.inner == "eager":
         compiled = aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=partitioner)(gm, example_inputs)
     else:

@@ -71,12 +71,19 @@ class Liveness:
     live_at_peak: tuple[tuple[str, int], ...]  # (node name, bytes), largest first
 
 
-def peak(events: list[Event], values: Mapping[sympy.Symbol, int], base: int = 0) -> Liveness:
-    """Walk a schedule at the given symbol values; ``base`` bytes are alive throughout."""
+def evaluate(expr: sympy.Expr, values: Mapping[str, int]) -> int:
+    """A formula's value; ``values`` is keyed by symbol name (so formulas read back from text work)."""
+    if not expr.free_symbols:
+        return int(expr)
+    return int(expr.xreplace({s: values[s.name] for s in expr.free_symbols}))
+
+
+def peak(events: list[Event], values: Mapping[str, int], base: int = 0) -> Liveness:
+    """Walk a schedule at the given symbol values (by name); ``base`` bytes are alive throughout."""
     live: dict[str, int] = {}
     total, best, at, snapshot = base, base, None, ()
     for kind, name, expr in events:
-        b = int(expr.xreplace(values)) if expr.free_symbols else int(expr)
+        b = evaluate(expr, values)
         if kind == "alloc":
             live[name] = b
             total += b
@@ -94,4 +101,4 @@ def simulate(gm: fx.GraphModule, sizes: SymbolicSizes, inputs_freed: bool = True
     if not inputs_freed:
         inputs = {n.name for n in gm.graph.find_nodes(op="placeholder")}
         events = [e for e in events if not (e[0] == "free" and e[1] in inputs)]
-    return peak(events, sizes.values)
+    return peak(events, {s.name: v for s, v in sizes.values.items()})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
+from dataclasses import dataclass
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,12 +14,21 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..graph.joint import JointGraph
 from ..graph.sizes import SymbolicSizes
+from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
 from .plan import Plan, plan
 from .split import Split, split
 
 log = logging.getLogger("fxmem")
+_GRAPH_INDEX = itertools.count()
+
+
+@dataclass(frozen=True)
+class Record:
+    plan: Plan
+    report: Any  # fxmem.report.GraphReport
+    input_ids: frozenset[int]
 
 
 class Partitioner(CustomPartitionerFn):
@@ -26,11 +37,13 @@ class Partitioner(CustomPartitionerFn):
     Keeps every plan and split it made (latest last) for reports and tests.
     """
 
-    def __init__(self, options: Options):
+    def __init__(self, options: Options, input_ids: frozenset[int] = frozenset()):
         self.options = options
+        self.input_ids = input_ids  # ids of the Dynamo graph's example inputs: links reports to models
         self.plans: list[Plan] = []
         self.splits: list[Split] = []
         self.sizes: list[SymbolicSizes] = []
+        self.records: list[Record] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         joint = JointGraph.of(gm, num_fwd_outputs)
@@ -39,15 +52,30 @@ class Partitioner(CustomPartitionerFn):
         sizes = SymbolicSizes.of(gm, self.options.plan_shape)
         chosen = plan(joint, sizes, self.options)
         result = split(joint, chosen.saved)
-        log.log(logging.INFO if self.options.report else logging.DEBUG,
-                "fxmem plan: level %d, %d saved tensors = %s bytes (%d at the plan shape), %d recomputed "
-                "nodes, rules applied %s%s", chosen.level, len(result.saved), sizes.pretty(chosen.saved_bytes_expr),
-                chosen.saved_bytes, len(result.recomputed), list(chosen.applied_rules) or "none",
-                "".join(f"; {n}" for n in chosen.notes))
+        if self.options.inner == "eager":  # what the eager inner compiler will run: report exactly that
+            reuse_dead_buffers(result.fw)
+            reuse_dead_buffers(result.bw)
         self.plans.append(chosen)
         self.splits.append(result)
         self.sizes.append(sizes)
+        self._record(chosen, result, sizes, {p.name for p in joint.primals})
         return result.fw, result.bw
+
+    def _record(self, chosen: Plan, result: Split, sizes: SymbolicSizes, primal_names: set[str]) -> None:
+        from ..report.model import build
+        from ..report.render import table
+
+        index = next(_GRAPH_INDEX)
+        rep = build(index, self.options.key(), chosen, result, sizes, primal_names)
+        self.records.append(Record(chosen, rep, self.input_ids))
+        log.log(logging.INFO if self.options.report else logging.DEBUG, "%s", table(rep))
+        if self.options.report_path:
+            from ..report.model import MemoryReport
+
+            path = self.options.report_path
+            path = f"{path[:-5]}.{index}.json" if path.endswith(".json") else f"{path}.{index}.json"
+            MemoryReport([rep]).to_json(path)
+            log.info("fxmem: wrote the report of graph %d to %s", index, path)
 
     def __deepcopy__(self, memo: dict) -> "Partitioner":
         # Inductor deep-copies its config (us included) to hash it; the splits hold fake tensors.

@@ -1,0 +1,210 @@
+"""The memory report's data: what each compiled graph keeps and recomputes, as formulas.
+
+A ``GraphReport`` is plain data (JSON round-trips it): clusters with their savings, the saved
+bytes, and the forward and backward allocation schedules as byte formulas of the input symbols,
+so ``predict_peak`` and ``max_batch`` work at any shape, from a live compile or from a file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any, Mapping
+
+import sympy
+
+from ..graph.liveness import Event, evaluate, peak, schedule
+from ..options import parse_bytes
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClusterRow:
+    id: str
+    config: str  # the rule that reproduces this row's decision, e.g. "add+gelu+:1:-1"
+    enabled: bool  # recomputed (not kept) in at least one occurrence
+    frequency: int  # occurrences in the graph
+    recomputed: int  # occurrences recomputed
+    saving_bytes: int  # bytes not kept thanks to the recomputed occurrences, at the compiled shape
+    saving_formula: str  # one occurrence's bytes, readable names
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    index: int
+    level: int
+    options: str
+    symbols: dict[str, str]  # raw symbol (s52) -> readable name (input_ids.size(0))
+    values: dict[str, int]  # raw symbol -> value at the compiled (plan) shape
+    saved_bytes: int
+    saved_formula: str
+    saved_expr: str  # raw symbols: for evaluation
+    recompute_cost: float  # FLOPs (or elements) recomputed, at the compiled shape
+    clusters: list[ClusterRow]
+    applied_rules: list[list]
+    notes: list[str]
+    forward: list[list]  # schedule: [kind, name, bytes formula (raw symbols)]
+    backward: list[list]
+    frontier: list[list] = field(default_factory=list)  # [saved bytes, recompute cost, lambda]
+    chosen_lambda: float = 0.0
+
+    def values_at(self, **shapes: Any) -> dict[str, int]:
+        """Symbol values for shapes given by input name: ``input_ids=(64, 2048)``, or by symbol."""
+        values = dict(self.values)
+        for key, dims in shapes.items():
+            dims = (dims,) if isinstance(dims, int) else tuple(dims)
+            hit = False
+            for sym, name in self.symbols.items():
+                if sym == key and len(dims) == 1:
+                    values[sym], hit = dims[0], True
+                elif name.startswith(f"{key}.size(") and int(name[len(key) + 6:-1]) < len(dims):
+                    values[sym], hit = dims[int(name[len(key) + 6:-1])], True
+            if not hit:
+                known = sorted({n.split(".size")[0] for n in self.symbols.values()} | set(self.symbols))
+                raise ValueError(f"predict_peak: {key!r} names no dynamic input dimension of graph {self.index}; "
+                                 f"allowed: {', '.join(known) or 'none (compiled with static shapes)'}")
+        return values
+
+    def predict_peak(self, **shapes: Any) -> int:
+        """Peak bytes allocated during the step (forward, then backward), at the given shapes.
+
+        Counted: the forward's intermediates; then the kept values, the incoming gradients and
+        the backward's buffers (parameter gradients included). Not counted: parameters and the
+        inputs, which exist before the step. Outputs other than the kept values (e.g. logits)
+        are assumed dropped before backward, as in ``loss = model(**batch).loss``.
+        """
+        return self.peak_at_values(self.values_at(**shapes))
+
+    def peak_at_values(self, values: Mapping[str, int]) -> int:
+        fw, bw = self._parsed
+        return max(peak(fw, values).peak, peak(bw, values).peak)
+
+    @cached_property
+    def _parsed(self) -> tuple[list[Event], list[Event]]:
+        return _events(self.forward), _events(self.backward)
+
+    def evaluate(self, formula: str, **shapes: Any) -> int:
+        """A formula of this report (raw symbols) at the given shapes."""
+        return evaluate(sympy.sympify(formula), self.values_at(**shapes))
+
+
+def _events(raw: list[list]) -> list[Event]:
+    return [(kind, name, sympy.sympify(text)) for kind, name, text in raw]
+
+
+@dataclass
+class MemoryReport:
+    """Every graph fxmem compiled for a model, latest last."""
+
+    graphs: list[GraphReport]
+    plans: list = field(default_factory=list, repr=False)  # live plans (for frontiers), when known
+
+    def __str__(self) -> str:
+        from .render import table
+
+        return "\n\n".join(table(g) for g in self.graphs) or "fxmem: no graphs compiled"
+
+    def _graph(self) -> GraphReport:
+        if not self.graphs:
+            raise ValueError("the report holds no graphs: nothing was compiled with backend='fxmem'")
+        return self.graphs[-1]
+
+    def predict_peak(self, **shapes: Any) -> int:
+        """Predicted peak bytes of a training step at the given input shapes (latest graph)."""
+        return self._graph().predict_peak(**shapes)
+
+    def max_batch(self, cap: int | str, limit: int = 1 << 20, **shapes: Any) -> int:
+        """Largest batch (dimension 0 of the inputs) whose predicted peak fits in ``cap``.
+
+        Other dimensions by keyword: ``seq=2048`` sets dimension 1, or give inputs by name
+        (``input_ids=(1, 2048)``: its first entry is replaced by each candidate batch).
+        """
+        g = self._graph()
+        cap_bytes = parse_bytes(cap, "cap")
+        batch_syms = {s for s, n in g.symbols.items() if n.endswith(".size(0)")}
+        if not batch_syms:
+            raise ValueError("max_batch: the graph has no dynamic batch dimension; compile with dynamic=True")
+        seq = shapes.pop("seq", None)
+        fixed = g.values_at(**shapes)
+        if seq is not None:
+            fixed.update({s: seq for s, n in g.symbols.items() if n.endswith(".size(1)")})
+
+        def fits(b: int) -> bool:
+            return g.peak_at_values({**fixed, **{s: b for s in batch_syms}}) <= cap_bytes
+
+        if not fits(1):
+            return 0
+        lo = 1
+        while lo * 2 <= limit and fits(lo * 2):
+            lo *= 2
+        hi = min(lo * 2, limit + 1)  # lo fits, hi does not (or is past the limit)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def to_dict(self) -> dict:
+        return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs]}
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str) -> "MemoryReport":
+        text = path_or_text
+        if not path_or_text.lstrip().startswith("{"):
+            with open(path_or_text) as f:
+                text = f.read()
+        data = json.loads(text)
+        if data.get("fxmem_report") != SCHEMA_VERSION:
+            raise ValueError(f"not an fxmem report of schema {SCHEMA_VERSION}: {str(data)[:80]}")
+        graphs = []
+        for g in data["graphs"]:
+            g = dict(g, clusters=[ClusterRow(**c) for c in g["clusters"]])
+            graphs.append(GraphReport(**g))
+        return cls(graphs)
+
+    def plot(self, path: str) -> str:
+        """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
+        from .render import plot
+
+        g = self._graph()
+        if not g.frontier and self.plans:
+            g.frontier.extend([list(p) for p in self.plans[-1].frontier()])
+        return plot(g, path)
+
+
+def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str]) -> GraphReport:
+    """A GraphReport from a live plan, its split and its sizes."""
+    saved_names = {n.name for n in split.saved}
+    by_id: dict[str, list] = {}
+    for c in plan.clusters:
+        by_id.setdefault(c.id, []).append(c)
+    rows = []
+    for cid, occ in by_id.items():
+        rec = [c for c in occ if c.stash.name not in saved_names]
+        one = sizes.nbytes(occ[0].stash)
+        count = -1 if len(rec) in (0, len(occ)) else len(rec)
+        rows.append(ClusterRow(cid, f"{cid}:{1 if rec else 0}:{count}", bool(rec), len(occ), len(rec),
+                               sum(sizes.at(sizes.nbytes(c.stash)) for c in rec), sizes.pretty(one)))
+    rows.sort(key=lambda r: (-r.saving_bytes, r.id))
+    cost = plan.problem.cost if plan.problem is not None else {}
+    fw = schedule(split.fw, sizes, counted=lambda n: False)  # forward inputs exist before the step
+    bw = schedule(split.bw, sizes, counted=lambda n: n.name not in primal_names)
+    return GraphReport(
+        index=index, level=plan.level, options=options_key,
+        symbols={s.name: n for s, n in sizes.names.items()},
+        values={s.name: v for s, v in sizes.values.items() if s in sizes.names},
+        saved_bytes=plan.saved_bytes, saved_formula=sizes.pretty(plan.saved_bytes_expr),
+        saved_expr=str(plan.saved_bytes_expr),
+        recompute_cost=float(sum(cost.get(n, 0.0) for n in split.recomputed)),
+        clusters=rows, applied_rules=[list(r) for r in plan.applied_rules], notes=list(plan.notes),
+        forward=[[k, n, str(e)] for k, n, e in fw], backward=[[k, n, str(e)] for k, n, e in bw],
+        chosen_lambda=plan.lam,
+    )

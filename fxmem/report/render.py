@@ -1,0 +1,55 @@
+"""Renderings of a memory report: the table (as ONNX Runtime prints its plans) and the plot."""
+
+from __future__ import annotations
+
+from .model import GraphReport
+
+
+def _mb(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def table(g: GraphReport) -> str:
+    w = max([len(r.config) for r in g.clusters] + [len("config")])
+    lines = [f"fxmem memory plan: graph {g.index}, level {g.level}",
+             f"{'config':{w}s}  on   freq  saving (bytes)   saving per occurrence (formula)"]
+    for r in g.clusters:
+        lines.append(f"{r.config:{w}s}  {'on ' if r.enabled else 'off'}  {r.frequency:4d}  "
+                     f"{r.saving_bytes:14,d}   {r.saving_formula}")
+    peak = g.predict_peak()
+    lines += [
+        f"saved activations: {g.saved_bytes:,d} bytes ({_mb(g.saved_bytes)}) = {g.saved_formula}",
+        f"predicted step peak: {peak:,d} bytes ({_mb(peak)})",
+        f"recompute cost: {g.recompute_cost:,.0f} FLOPs",
+        f"rules applied: {', '.join(f'{r[0]} ({r[2]} occurrences)' for r in g.applied_rules) or 'none'}",
+    ]
+    lines += [f"note: {n}" for n in g.notes]
+    if g.symbols:
+        legend = "; ".join(f"{name} = {g.values.get(sym, '?')}" for sym, name in sorted(g.symbols.items(), key=lambda kv: kv[1]))
+        lines.append(f"symbols (at the compiled shape): {legend}")
+    return "\n".join(lines)
+
+
+def plot(g: GraphReport, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    pts = sorted({(c, b) for b, c, _ in g.frontier})
+    if pts:
+        ax.plot([c for c, _ in pts], [b / 2**20 for _, b in pts], "o-", color="tab:blue",
+                label="cheapest plan at each recompute weight")
+    ax.plot([g.recompute_cost], [g.saved_bytes / 2**20], "*", color="tab:red", markersize=16,
+            label=f"chosen (level {g.level})")
+    ax.set_xlabel("recompute cost (FLOPs)")
+    ax.set_ylabel("saved activations (MiB)")
+    ax.set_xscale("symlog")
+    ax.set_title(f"fxmem: memory vs recompute, graph {g.index}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
