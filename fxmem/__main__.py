@@ -5,15 +5,32 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": "train a small GPT with torch.compile's default and with fxmem, side by side"}
+    commands = {"demo": "train a small GPT with torch.compile's default and with fxmem, side by side",
+                "report": "run SCRIPT.py [args] and print the memory report of every graph fxmem compiled"}
     if not argv or argv[0] not in commands:
         print("usage: python -m fxmem COMMAND [args]\n\ncommands:")
         for name, text in commands.items():
             print(f"  {name:8s} {text}")
         raise SystemExit(0 if not argv or argv[0] in ("-h", "--help") else 2)
+    if argv[0] == "report":
+        _report(argv[1:])
+        return
     from .demo import main as demo
 
     demo(argv[1:])
+
+
+def _report(argv: list[str]) -> None:
+    import runpy
+
+    if not argv or not argv[0].endswith(".py"):
+        print("usage: python -m fxmem report SCRIPT.py [args]", file=sys.stderr)
+        raise SystemExit(2)
+    from . import report
+
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+    print(report())
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def hf_gpt2(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, dropout=0.0,
     torch.manual_seed(seed)
     cfg = GPT2Config(
         vocab_size=vocab, n_positions=max(seq, 1024), n_embd=d, n_layer=layers, n_head=heads,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,  # training: no KV cache
     )
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"  # else HF logs a warning inside forward: a graph break before the loss
@@ -113,6 +113,7 @@ def hf_llama(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, seed=0) -> 
     cfg = LlamaConfig(
         vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(seq, 1024),
+        use_cache=False,
     )
     model = LlamaForCausalLM(cfg)
     model.loss_type = "ForCausalLM"

@@ -1,0 +1,118 @@
+"""fxmem.report: the table, JSON round trip, predicted peaks against measurement, max_batch."""
+
+import copy
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.models import build
+from fxmem.profiling import step_perf
+
+SMALL = dict(layers=2, vocab=512, d=64, heads=2)
+
+
+def _measured(workload, compiled, model, batch):
+    for _ in range(2):  # the second step is measured
+        model.zero_grad(set_to_none=True)
+        with step_perf("cpu") as perf:
+            workload.loss(compiled(**batch)).backward()
+    return perf.result.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def compiled_llama():
+    torch._dynamo.reset()
+    w = build("hf_llama", batch=2, seq=32, **SMALL)
+    model = copy.deepcopy(w.model)
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1}, dynamic=True)
+    _measured(w, compiled, model, w.batch)
+    return w, model, compiled
+
+
+def test_table_lists_clusters_totals_and_symbols(compiled_llama):
+    _, _, compiled = compiled_llama
+    text = str(fxmem.report(compiled))
+    assert "fxmem memory plan: graph" in text and "level 1" in text
+    assert "saved activations:" in text and "predicted step peak:" in text and "recompute cost:" in text
+    assert "input_ids.size(0) = 2; input_ids.size(1) = 32" in text
+    assert "*input_ids.size(0)*input_ids.size(1)" in text
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 32), (4, 16), (2, 64), (3, 48)])  # not 1: Dynamo specializes size 1
+def test_predict_peak_matches_measurement(compiled_llama, batch, seq):
+    w, model, compiled = compiled_llama
+    rep = fxmem.report(compiled)
+    inputs = build("hf_llama", batch=batch, seq=seq, **SMALL).batch
+    measured = _measured(w, compiled, model, inputs)
+    assert abs(rep.predict_peak(input_ids=(batch, seq)) - measured) <= 0.02 * measured
+
+
+def test_max_batch_fits_and_next_does_not(compiled_llama):
+    w, model, compiled = compiled_llama
+    rep = fxmem.report(compiled)
+    cap = rep.predict_peak(input_ids=(5, 32)) + 1000
+    b = rep.max_batch(cap, seq=32)
+    assert b == 5
+    assert rep.predict_peak(input_ids=(b + 1, 32)) > cap
+    measured = _measured(w, compiled, model, build("hf_llama", batch=b, seq=32, **SMALL).batch)
+    assert measured <= cap
+    assert rep.max_batch(100) == 0
+
+
+def test_json_round_trip(compiled_llama, tmp_path):
+    _, _, compiled = compiled_llama
+    rep = fxmem.report(compiled)
+    path = tmp_path / "mem.json"
+    rep.to_json(str(path))
+    data = json.loads(path.read_text())
+    assert data["fxmem_report"] == 1 and data["graphs"][0]["level"] == 1
+    back = fxmem.MemoryReport.from_json(str(path))
+    assert back.graphs == rep.graphs
+    assert back.predict_peak(input_ids=(7, 40)) == rep.predict_peak(input_ids=(7, 40))
+    with pytest.raises(ValueError, match="not an fxmem report"):
+        fxmem.MemoryReport.from_json('{"something": 1}')
+
+
+def test_bad_shape_name_is_a_clear_error(compiled_llama):
+    _, _, compiled = compiled_llama
+    with pytest.raises(ValueError, match=r"predict_peak: 'pixels' names no dynamic input dimension .* allowed: input_ids"):
+        fxmem.report(compiled).predict_peak(pixels=(1, 2))
+
+
+def test_plot_writes_a_png(compiled_llama, tmp_path):
+    _, _, compiled = compiled_llama
+    path = fxmem.report(compiled).plot(str(tmp_path / "pareto.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_explain_and_report_logging(caplog, tmp_path):
+    torch._dynamo.reset()
+    w = build("hf_gpt2", batch=2, seq=16, **SMALL)
+    with caplog.at_level(logging.INFO, logger="fxmem"):
+        rep = fxmem.explain(w.model, options={"inner": "eager", "report": True,
+                                              "report_path": str(tmp_path / "r.json")}, **w.batch)
+    assert rep.graphs and rep.graphs[-1].symbols
+    assert "fxmem memory plan" in caplog.text
+    written = list(tmp_path.glob("r.*.json"))
+    assert written and fxmem.MemoryReport.from_json(str(written[0])).graphs[0].level == 0
+
+
+def test_report_cli_runs_a_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+        step = torch.compile(m, backend="fxmem", options={"inner": "eager"})
+        step(torch.randn(8, 16)).sum().backward()
+    """))
+    run = subprocess.run([sys.executable, "-m", "fxmem", "report", str(script)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "fxmem memory plan: graph 0, level 0" in run.stdout
