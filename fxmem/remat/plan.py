@@ -146,7 +146,9 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         no_save.clear()
         saved = cut(recomputable, lam)
     if options.memory_budget is not None:
-        saved, lam, final = _budgeted(joint, options, sizes, saved, recomputable, must_save | fences, cut, notes)
+        heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
+        saved, lam, final = _budgeted(joint, options, sizes, saved, recomputable | heavy, must_save | fences, cut,
+                                      notes)
     expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n)],
                      sympy.Integer(0))
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
@@ -172,9 +174,11 @@ def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: S
 def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
     """Least recompute cost with saved bytes within the budget: bisect the recompute weight.
 
-    Kept, so that a lower budget means a lower peak: layer boundaries (``keep``; recomputing
-    across them reruns earlier layers while later ones are alive) and what the backward reads
-    before its peak.
+    ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
+    vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
+    at the peak). Kept, so that a lower budget means a lower peak: layer boundaries (``keep``;
+    recomputing across them reruns earlier layers while later ones are alive) and what the
+    backward reads before its simulated peak.
     """
 
     def nbytes(saved):
@@ -183,9 +187,8 @@ def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
     level_bytes = nbytes(saved0)
     budget = options.memory_budget
     cap = int(budget * level_bytes) if isinstance(budget, float) else budget
-    anything = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) in (CHEAP, HEAVY)}
     early = _read_before_backward_peak(joint, saved0, sizes)
-    recomp = (recomputable | anything) - keep - early
+    recomp = recomputable - keep - early
     lo_saved = cut(recomp, _LAM_LO)
     if nbytes(lo_saved) > cap:
         raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
