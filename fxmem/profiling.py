@@ -22,10 +22,12 @@ the bytes live at its entry, i.e. the peak of the step's own allocations (never 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -134,7 +136,8 @@ class StepPerf:
                 profile_memory=True,
                 record_shapes=False,
             )
-            self._prof.__enter__()
+            with _quiet_stderr():
+                self._prof.__enter__()
         elif self.device.type == "cuda":
             self._cuda_sync()  # earlier queued work must not count in this step's time
             if self.memory:
@@ -170,7 +173,8 @@ class StepPerf:
         self._active = False
         prof, self._prof = self._prof, None
         if prof is not None:
-            prof.__exit__(exc_type, exc, tb)
+            with _quiet_stderr():
+                prof.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return False
 
@@ -189,6 +193,26 @@ class StepPerf:
             marks=tuple(Mark(*m) for m in marks),
         )
         return False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Kineto prints 'USDT ... profiler_start/stop' lines to fd 2 from C++ when a profiler starts
+    and stops; silence only those two calls (the user's code runs with stderr as it was)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        sys.stderr.flush()
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _cpu_timeline(prof, marks):
