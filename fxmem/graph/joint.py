@@ -27,10 +27,23 @@ def is_sym(node: fx.Node) -> bool:
     return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
+def _dropout_p(node: fx.Node):
+    """The ``dropout_p`` argument of an op that has one (attention), else None."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            if "dropout_p" in node.kwargs:
+                return node.kwargs["dropout_p"]
+            return node.args[i] if i < len(node.args) else arg.default_value
+    return None
+
+
 def is_random(node: fx.Node) -> bool:
-    """Ops whose recomputation would draw new random numbers."""
-    return node.op == "call_function" and bool(getattr(node.target, "is_random", False) or (
-        hasattr(node.target, "_schema") and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())))
+    """Ops whose recomputation would draw new random numbers (attention without dropout is not)."""
+    if node.op != "call_function" or not hasattr(node.target, "_schema"):
+        return False
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    return _dropout_p(node) not in (0, 0.0)
 
 
 def is_multi_output(node: fx.Node) -> bool:

@@ -45,9 +45,9 @@ def layers(joint: JointGraph) -> dict[fx.Node, str]:
         if n not in joint.forward or n.op != "call_function":
             continue
         k = layer_key(n)
-        if k is None:  # created by a decomposition: inherit from inputs, if they agree
-            ks = {key.get(a) for a in n.all_input_nodes if a.op != "placeholder"}
-            k = ks.pop() if len(ks) == 1 else None
+        if k is None and not n.meta.get("nn_module_stack"):  # made by a decomposition: inherit
+            ks = {key.get(a) for a in n.all_input_nodes if a.op != "placeholder"} - {None}
+            k = ks.pop() if len(ks) == 1 else None  # ignore layer-less inputs (lifted constants)
         if k is not None:
             key[n] = k
     return key

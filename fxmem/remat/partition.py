@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..graph.joint import JointGraph
+from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import Options
@@ -58,7 +59,8 @@ class Partitioner(CustomPartitionerFn):
         self.plans.append(chosen)
         self.splits.append(result)
         self.sizes.append(sizes)
-        self._record(chosen, result, sizes, {p.name for p in joint.primals})
+        root = storage_roots(gm)  # inputs, and kept views of inputs, exist before the step
+        self._record(chosen, result, sizes, {n.name for n in root if root[n].op == "placeholder"})
         return result.fw, result.bw
 
     def _record(self, chosen: Plan, result: Split, sizes: SymbolicSizes, primal_names: set[str]) -> None:

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph.cost import recompute_cost
 from ..graph.joint import JointGraph, is_multi_output, is_sym
-from ..graph.liveness import simulate
+from ..graph.liveness import simulate, storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..options import OptionError, Options
 from .allowlist import CHEAP, HEAVY, kind
@@ -42,6 +42,8 @@ class Plan:
     applied_rules: tuple[tuple[str, str, int], ...]  # (rule, cluster id, occurrences affected)
     notes: tuple[str, ...]
     problem: CutProblem | None = field(default=None, compare=False, repr=False)  # for frontiers
+    plain_bytes: int = 0  # what a plain partition (no recompute) keeps, at the plan shape
+    level0_bytes: int = 0  # what level 0 without rules or budget keeps
 
     def frontier(self, lams=tuple(10.0 ** k for k in range(-9, 5))) -> list[tuple[int, float, float]]:
         """(saved bytes, recompute cost, lambda) of the cheapest cut at each recompute weight."""
@@ -114,7 +116,9 @@ def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx
 def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     notes: list[str] = []
     fwd_nodes = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
-    nbytes = {n: sizes.at(sizes.nbytes(n)) for n in fwd_nodes}
+    root = storage_roots(joint.gm)
+    free = {n for n in fwd_nodes if root[n].op == "placeholder"}  # views of inputs: no new storage
+    nbytes = {n: 0 if n in free else sizes.at(sizes.nbytes(n)) for n in fwd_nodes}
     cost = {n: recompute_cost(n, sizes) for n in fwd_nodes}
     stashed = joint.default_saved()
     clusters = find_clusters(joint, stashed)
@@ -147,12 +151,19 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         saved = cut(recomputable, lam)
     if options.memory_budget is not None:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-        saved, lam, final = _budgeted(joint, options, sizes, saved, recomputable | heavy, must_save | fences, cut,
-                                      notes)
-    expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n)],
+        saved, lam, final = _budgeted(joint, options, sizes, nbytes, saved, recomputable | heavy, must_save | fences,
+                                      cut, notes)
+    expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free],
                      sympy.Integer(0))
+    level0 = saved if options.level == 0 and not (options.config or options.memory_budget) else solve(
+        CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
-                tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)))
+                tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
+                _bytes(stashed, nbytes), _bytes(level0, nbytes))
+
+
+def _bytes(saved, nbytes: dict[fx.Node, int]) -> int:
+    return sum(nbytes.get(n, 0) for n in saved if n.op != "placeholder")
 
 
 def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
@@ -171,7 +182,7 @@ def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: S
             if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
 
 
-def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
+def _budgeted(joint, options, sizes, problem_bytes, saved0, recomputable, keep, cut, notes):
     """Least recompute cost with saved bytes within the budget: bisect the recompute weight.
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
@@ -182,7 +193,7 @@ def _budgeted(joint, options, sizes, saved0, recomputable, keep, cut, notes):
     """
 
     def nbytes(saved):
-        return sum(sizes.at(sizes.nbytes(n)) for n in saved if n.op != "placeholder")
+        return sum(problem_bytes.get(n, 0) for n in saved if n.op != "placeholder")
 
     level_bytes = nbytes(saved0)
     budget = options.memory_budget

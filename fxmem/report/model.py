@@ -49,6 +49,8 @@ class GraphReport:
     backward: list[list]
     frontier: list[list] = field(default_factory=list)  # [saved bytes, recompute cost, lambda]
     chosen_lambda: float = 0.0
+    plain_bytes: int = 0  # what a plain partition (no recompute) would keep
+    level0_bytes: int = 0  # what level 0 without rules or budget keeps
 
     def values_at(self, **shapes: Any) -> dict[str, int]:
         """Symbol values for shapes given by input name: ``input_ids=(64, 2048)``, or by symbol."""
@@ -206,5 +208,5 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         recompute_cost=float(sum(cost.get(n, 0.0) for n in split.recomputed)),
         clusters=rows, applied_rules=[list(r) for r in plan.applied_rules], notes=list(plan.notes),
         forward=[[k, n, str(e)] for k, n, e in fw], backward=[[k, n, str(e)] for k, n, e in bw],
-        chosen_lambda=plan.lam,
+        chosen_lambda=plan.lam, plain_bytes=plan.plain_bytes, level0_bytes=plan.level0_bytes,
     )

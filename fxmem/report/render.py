@@ -9,18 +9,25 @@ def _mb(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB"
 
 
+def _short(config: str, width: int = 64) -> str:
+    """Long cluster ids (a whole layer at level 1) shortened for the table; JSON keeps them whole."""
+    return config if len(config) <= width else f"{config[:40]}...{config[-(width - 43):]}"
+
+
 def table(g: GraphReport) -> str:
-    w = max([len(r.config) for r in g.clusters] + [len("config")])
+    w = max([len(_short(r.config)) for r in g.clusters] + [len("config")])
     lines = [f"fxmem memory plan: graph {g.index}, level {g.level}",
              f"{'config':{w}s}  on   freq  saving (bytes)   saving per occurrence (formula)"]
     for r in g.clusters:
-        lines.append(f"{r.config:{w}s}  {'on ' if r.enabled else 'off'}  {r.frequency:4d}  "
+        lines.append(f"{_short(r.config):{w}s}  {'on ' if r.enabled else 'off'}  {r.frequency:4d}  "
                      f"{r.saving_bytes:14,d}   {r.saving_formula}")
     peak = g.predict_peak()
     lines += [
         f"saved activations: {g.saved_bytes:,d} bytes ({_mb(g.saved_bytes)}) = {g.saved_formula}",
         f"predicted step peak: {peak:,d} bytes ({_mb(peak)})",
         f"recompute cost: {g.recompute_cost:,.0f} FLOPs",
+        f"kept without recompute (plain partition): {_mb(g.plain_bytes)}; level 0 alone: "
+        f"{_mb(g.level0_bytes)}; this plan: {_mb(g.saved_bytes)}",
         f"rules applied: {', '.join(f'{r[0]} ({r[2]} occurrences)' for r in g.applied_rules) or 'none'}",
     ]
     lines += [f"note: {n}" for n in g.notes]
