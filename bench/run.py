@@ -127,6 +127,12 @@ def machine_info() -> dict:
     }
 
 
+def _env_prefix() -> str:
+    """``PYTHONPATH=... `` when set: it decides which fxmem the workers import (e.g. a worktree snapshot)."""
+    pp = os.environ.get("PYTHONPATH")
+    return f"PYTHONPATH={shlex.quote(pp)} " if pp else ""
+
+
 # --- one run -------------------------------------------------------------------------------
 
 
@@ -338,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "machine": machine_info(),
         "run": {
-            "name": name, "command": shlex.join(["python", os.path.relpath(__file__), *sys.argv[1:]])
-            if argv is None else shlex.join(["python", "bench/run.py", *argv]),
+            "name": name, "command": _env_prefix() + (shlex.join(["python", os.path.relpath(__file__), *sys.argv[1:]])
+                                                     if argv is None else shlex.join(["python", "bench/run.py", *argv])),
+            "cwd": os.getcwd(),
             "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
             "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device, "cache": a.cache,
             "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},

@@ -180,8 +180,11 @@ def sweep(res: Results, models: list[str], tally: dict) -> list[str]:
                     ok = bool(mono) and pok is True and tok is True
                     verdict = _pf(ok)
                     _count(tally, m, ok)
-                out.append(f"| {frac} | {fxcell} | {icell} | {_pf(pok) if pok is not None else ''} | "
-                           f"{_ms(a)} | {_ms(b)} | {trs} | {_pf(tok) if tok is not None else ''} | "
+                # the reference row's comparisons are shown as yes/no: they are not targets
+                cmp = (lambda ok: "" if ok is None else ("yes" if ok else "no")) if ref else (
+                    lambda ok: "" if ok is None else _pf(ok))
+                out.append(f"| {frac} | {fxcell} | {icell} | {cmp(pok)} | "
+                           f"{_ms(a)} | {_ms(b)} | {trs} | {cmp(tok)} | "
                            f"{'' if mono is None else ('yes' if mono else '**NO**')} | {verdict} |")
             out += ["", f"Monotone (feasible budgets, level 0 first): {'yes' if mono_all else '**NO**'}.", ""]
     return out
@@ -194,7 +197,7 @@ def _count(tally: dict, model: str, *oks: bool) -> None:
         tally["pass" if ok else "fail"] += 1
 
 
-def targets(doc: dict) -> str:
+def targets(doc: dict, notes: list[str] = ()) -> str:
     res = Results(doc)
     models = list(doc["run"]["models"])
     models = [m for m in TARGET_MODELS if m in models] + [m for m in models if m not in TARGET_MODELS]
@@ -205,6 +208,7 @@ def targets(doc: dict) -> str:
             + ", ".join(f"`{m}`" for m in TARGET_MODELS) + "; others are informational and not counted. Time "
             "ratios are of median step times; \"min\" is the ratio of the fastest steps, to judge timing noise "
             "(see `step_times_s` in the JSON). Peaks are exact (CPU profiler), times are not.", "",
+            *[f"Note: {n}\n" for n in notes],
             f"Tally over the target models: {tally['pass']} pass, {tally['fail']} fail "
             "(infeasible budgets and the 1.0 reference rows not counted).", ""]
     return "\n".join(head + body)
@@ -214,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--name", default="planner")
     p.add_argument("--dir", default=str(HERE / "results"))
+    p.add_argument("--note", action="append", default=[],
+                   help="a line to print under the heading (e.g. how the run was invoked); repeatable")
     a = p.parse_args(argv)
     d = Path(a.dir)
     doc = json.loads((d / f"{a.name}.json").read_text())
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     cut = md.find("\n" + HEADING + "\n")
     if cut >= 0:
         md = md[:cut + 1]
-    section = targets(doc)
+    section = targets(doc, a.note)
     md_path.write_text(md.rstrip("\n") + "\n\n" + section)
     print(section)
     return 0
