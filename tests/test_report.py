@@ -14,7 +14,7 @@ import fxmem
 from fxmem.models import build
 from fxmem.profiling import step_perf
 
-SMALL = dict(layers=2, vocab=512, d=64, heads=2)
+SMALL = dict(layers=2, vocab=4096, d=64, heads=2)  # logits matter, as in real LMs
 
 
 def _measured(workload, compiled, model, batch):

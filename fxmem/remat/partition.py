@@ -60,7 +60,8 @@ class Partitioner(CustomPartitionerFn):
         self.splits.append(result)
         self.sizes.append(sizes)
         root = storage_roots(gm)  # inputs, and kept views of inputs, exist before the step
-        self._record(chosen, result, sizes, {n.name for n in root if root[n].op == "placeholder"})
+        primals = set(joint.primals)
+        self._record(chosen, result, sizes, {n.name for n in root if root[n] in primals})
         return result.fw, result.bw
 
     def _record(self, chosen: Plan, result: Split, sizes: SymbolicSizes, primal_names: set[str]) -> None:
