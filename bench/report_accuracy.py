@@ -1,0 +1,111 @@
+"""How well fxmem.report predicts the measured step peak, and whether max_batch's answers fit.
+
+For each model and plan (level 0, level 1, one budget): compile once with ``dynamic=True`` (eager
+inner compiler), then at five shapes spread 4x in batch and 4x in sequence measure the step's
+peak (fxmem.profiling, exact on CPU) and compare it with ``predict_peak``. Then for three caps:
+the measured peak at ``max_batch(cap)`` must fit, and the prediction at the next batch must not.
+
+    python bench/report_accuracy.py            # writes bench/results/report.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fxmem
+from fxmem.models import build
+from fxmem.profiling import step_perf
+
+SHAPES = [(2, 128), (8, 128), (4, 256), (2, 512), (8, 512)]  # 4x in batch, 4x in sequence
+PLANS = {"level 0": {}, "level 1": {"level": 1}, "budget 0.9": {"memory_budget": 0.9}}
+CAPS_MB = (150, 300, 600)
+SEQ_FOR_CAPS = 256
+
+
+def measure(workload, compiled, model, batch) -> int:
+    for _ in range(2):  # the second step is measured: no compiling, steady allocations
+        model.zero_grad(set_to_none=True)
+        with step_perf("cpu") as perf:
+            workload.loss(compiled(**batch)).backward()
+    return perf.result.peak_bytes
+
+
+def run_one(name: str, plan: str, options: dict) -> dict:
+    torch._dynamo.reset()
+    w = build(name, batch=SHAPES[0][0], seq=SHAPES[0][1])
+    model = copy.deepcopy(w.model)
+    compiled = torch.compile(model, backend="fxmem", dynamic=True, options={"inner": "eager", **options})
+    rows = []
+    for b, s in SHAPES:
+        measured = measure(w, compiled, model, build(name, batch=b, seq=s).batch)
+        rep = fxmem.report(compiled)
+        predicted = rep.predict_peak(input_ids=(b, s))
+        rows.append(dict(batch=b, seq=s, measured=measured, predicted=predicted,
+                         error=(predicted - measured) / measured, graphs=len(rep.graphs)))
+        print(f"  {name} {plan} {b}x{s}: measured {measured / 2**20:.1f} MiB, predicted "
+              f"{predicted / 2**20:.1f} MiB ({rows[-1]['error']:+.2%})", flush=True)
+    caps = []
+    rep = fxmem.report(compiled)
+    for mb in CAPS_MB:
+        cap = mb * 2**20
+        b = rep.max_batch(cap, seq=SEQ_FOR_CAPS)
+        measured = measure(w, compiled, model, build(name, batch=b, seq=SEQ_FOR_CAPS).batch) if b >= 2 else None
+        caps.append(dict(cap_mib=mb, max_batch=b, measured_at_max=measured,
+                         predicted_next=rep.predict_peak(input_ids=(b + 1, SEQ_FOR_CAPS)),
+                         fits=measured is not None and measured <= cap,
+                         next_exceeds=rep.predict_peak(input_ids=(b + 1, SEQ_FOR_CAPS)) > cap))
+        print(f"  {name} {plan} cap {mb} MiB: max_batch {b}, measured there "
+              f"{(measured or 0) / 2**20:.1f} MiB", flush=True)
+    return dict(model=name, plan=plan, options=options, shapes=rows, caps=caps)
+
+
+def markdown(results: list[dict], command: str) -> str:
+    lines = ["# Benchmark `report`: predicted vs measured step peak", "", f"`{command}`", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
+             f"Python {platform.python_version()}; CPU; fxmem eager inner compiler; one `dynamic=True` "
+             "compile per row group. Peak = bytes allocated during forward + backward (gradients "
+             "included, parameters and inputs not), measured on the second step at each shape.", "",
+             "| model | plan | batch x seq | measured MiB | predicted MiB | error |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in results:
+        for s in r["shapes"]:
+            lines.append(f"| {r['model']} | {r['plan']} | {s['batch']}x{s['seq']} | {s['measured'] / 2**20:.2f} | "
+                         f"{s['predicted'] / 2**20:.2f} | {s['error']:+.3%} |")
+    worst = max(abs(s["error"]) for r in results for s in r["shapes"])
+    lines += ["", f"Largest error: {worst:.3%} (target: within 10%).", "",
+              f"## max_batch (sequence {SEQ_FOR_CAPS})", "",
+              "| model | plan | cap MiB | max_batch | measured MiB at max_batch | fits | predicted MiB at max_batch+1 | exceeds |",
+              "|---|---|---:|---:|---:|---|---:|---|"]
+    for r in results:
+        for c in r["caps"]:
+            m = f"{c['measured_at_max'] / 2**20:.1f}" if c["measured_at_max"] is not None else "-"
+            lines.append(f"| {r['model']} | {r['plan']} | {c['cap_mib']} | {c['max_batch']} | {m} | "
+                         f"{'yes' if c['fits'] else 'no'} | {c['predicted_next'] / 2**20:.1f} | "
+                         f"{'yes' if c['next_exceeds'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="hf_gpt2,hf_llama")
+    p.add_argument("--name", default="report")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    results = [run_one(m, plan, opts) for m in a.models.split(",") for plan, opts in PLANS.items()]
+    out = Path(__file__).parent / "results"
+    command = "python " + " ".join(sys.argv)
+    (out / f"{a.name}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
+    (out / f"{a.name}.md").write_text(markdown(results, command))
+    print(markdown(results, command))
+
+
+if __name__ == "__main__":
+    main()
