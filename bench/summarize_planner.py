@@ -87,20 +87,25 @@ def level0(res: Results, models: list[str], tally: dict) -> list[str]:
            "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for m in models:
         for inner, (label, base) in INNERS.items():
-            a, b = res.get(m, f"fxmem-{inner}"), res.get(m, base)
             name = m if m in TARGET_MODELS else f"{m} (informational)"
-            if a is None or b is None:
-                why = f"fxmem-{inner}: {res.status(m, f'fxmem-{inner}')}; {base}: {res.status(m, base)}"
-                out.append(f"| {name} | {label} ({base}) | {_mib(a)} | {_mib(b)} | {why} | **FAIL** | | | | **FAIL** |")
-                _count(tally, m, False, False)
-                continue
-            pr = a["peak_bytes"] / b["peak_bytes"]
-            tr, trs = _time_ratio(a, b)
-            pok, tok = pr <= LEVEL0_PEAK, tr <= LEVEL0_TIME
-            out.append(f"| {name} | {label} ({base}) | {_mib(a)} | {_mib(b)} | {pr:.3f} | {_pf(pok)} | {_ms(a)} | "
-                       f"{_ms(b)} | {trs} | {_pf(tok)} |")
-            _count(tally, m, pok, tok)
+            out.append(_pair_row(res, tally, m, f"| {name} | {label} ({base}) ", f"fxmem-{inner}", base,
+                                 LEVEL0_PEAK, LEVEL0_TIME))
     return out + [""]
+
+
+def _pair_row(res: Results, tally: dict, m: str, head: str, cfg: str, base: str, peak_max: float,
+              time_max: float) -> str:
+    """One scored row: ``cfg`` against ``base`` on peak ratio and median time ratio."""
+    a, b = res.get(m, cfg), res.get(m, base)
+    if a is None or b is None:
+        _count(tally, m, False, False)
+        why = f"{cfg}: {res.status(m, cfg)}; {base}: {res.status(m, base)}"
+        return f"{head}| {_mib(a)} | {_mib(b)} | {why} | **FAIL** | | | | **FAIL** |"
+    pr = a["peak_bytes"] / b["peak_bytes"]
+    tr, trs = _time_ratio(a, b)
+    pok, tok = pr <= peak_max, tr <= time_max
+    _count(tally, m, pok, tok)
+    return f"{head}| {_mib(a)} | {_mib(b)} | {pr:.3f} | {_pf(pok)} | {_ms(a)} | {_ms(b)} | {trs} | {_pf(tok)} |"
 
 
 def level1(res: Results, models: list[str], tally: dict) -> list[str]:
@@ -117,17 +122,7 @@ def level1(res: Results, models: list[str], tally: dict) -> list[str]:
                 out.append(f"| {name} | {label} | {_mib(a) or res.status(m, cfg)} | skipped (no HF checkpointing) | "
                            f"| n/a | {_ms(a)} | | | n/a |")
                 continue
-            if a is None or b is None:
-                why = f"{cfg}: {res.status(m, cfg)}; eager+hf_ckpt: {res.status(m, 'eager+hf_ckpt')}"
-                out.append(f"| {name} | {label} | {_mib(a)} | {_mib(b)} | {why} | **FAIL** | | | | **FAIL** |")
-                _count(tally, m, False, False)
-                continue
-            pr = a["peak_bytes"] / b["peak_bytes"]
-            tr, trs = _time_ratio(a, b)
-            pok, tok = a["peak_bytes"] <= b["peak_bytes"], tr <= 1.0
-            out.append(f"| {name} | {label} | {_mib(a)} | {_mib(b)} | {pr:.3f} | {_pf(pok)} | {_ms(a)} | {_ms(b)} | "
-                       f"{trs} | {_pf(tok)} |")
-            _count(tally, m, pok, tok)
+            out.append(_pair_row(res, tally, m, f"| {name} | {label} ", cfg, "eager+hf_ckpt", 1.0, 1.0))
     return out + [""]
 
 
