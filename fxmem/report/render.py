@@ -38,7 +38,10 @@ def table(g: GraphReport) -> str:
 
 
 def plot(g: GraphReport, path: str) -> str:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("MemoryReport.plot needs matplotlib: pip install 'fxmem[report]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
