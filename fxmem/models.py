@@ -21,10 +21,6 @@ class Workload:
     batch: dict[str, torch.Tensor]
     loss: Callable[[Any], torch.Tensor]  # model output -> scalar loss
 
-    def step_loss(self, fn: Callable[..., Any] | None = None) -> torch.Tensor:
-        """Loss of one forward of ``fn`` (default: the model) on the batch."""
-        return self.loss((fn if fn is not None else self.model)(**self.batch))
-
 
 def _hf_loss(out: Any) -> torch.Tensor:
     return out.loss

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from .sizes import SymbolicSizes, numel
+from .sizes import SymbolicSizes
 
 
 def _shape(arg, sizes: SymbolicSizes):
@@ -36,4 +38,4 @@ def recompute_cost(node: fx.Node, sizes: SymbolicSizes) -> float:
         except Exception:  # a formula that wants arguments we do not shape: fall back
             pass
     vals = val if isinstance(val, (tuple, list)) else [val]
-    return float(sum(numel(sizes.shape_at(v)) for v in vals if isinstance(v, torch.Tensor)))
+    return float(sum(math.prod(sizes.shape_at(v)) for v in vals if isinstance(v, torch.Tensor)))

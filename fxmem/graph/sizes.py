@@ -7,7 +7,6 @@ plain integers. ``SymbolicSizes.at(expr)`` evaluates a formula at the plan shape
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -111,7 +110,3 @@ class SymbolicSizes:
 
     def shape_at(self, val) -> tuple[int, ...]:
         return tuple(self.at(_dim(d)) for d in val.shape)
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

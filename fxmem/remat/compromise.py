@@ -19,11 +19,11 @@ aten = torch.ops.aten
 _MIN_NUMEL = 1024  # smaller masks are not worth two extra kernels
 
 
-def _call(graph: fx.Graph, fake_mode, target, *args) -> fx.Node:
-    node = graph.call_function(target, args)
+def _call(graph: fx.Graph, fake_mode, target, *args, **kwargs) -> fx.Node:
+    node = graph.call_function(target, args, kwargs)
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
     with fake_mode:
-        node.meta["val"] = target(*vals)
+        node.meta["val"] = target(*vals, **kwargs)
     return node
 
 
@@ -34,6 +34,7 @@ def _static_numel(val) -> int | None:
 def pack_masks(joint: JointGraph) -> int:
     """Rewrite ``joint.gm`` in place; returns how many masks now have a bitmask to keep instead."""
     graph = joint.gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
     packed = 0
     for m in list(graph.nodes):
         val = m.meta.get("val")
@@ -46,36 +47,21 @@ def pack_masks(joint: JointGraph) -> int:
             continue
         fake = detect_fake_mode([val])
         pad = (-numel) % 8
-        with graph.inserting_after(m):
+        with graph.inserting_before(m.next):  # forward: pack right after the mask
             flat = _call(graph, fake, aten.reshape.default, m, [-1])
-        with graph.inserting_after(flat):
-            byte = graph.call_function(aten._to_copy.default, (flat,), {"dtype": torch.uint8})
-            with fake:
-                byte.meta["val"] = flat.meta["val"].to(torch.uint8)
-        with graph.inserting_after(byte):
+            byte = _call(graph, fake, aten._to_copy.default, flat, dtype=torch.uint8)
             padded = _call(graph, fake, aten.constant_pad_nd.default, byte, [0, pad], 0)
-        with graph.inserting_after(padded):
             groups = _call(graph, fake, aten.view.default, padded, [(numel + pad) // 8, 8])
-        with graph.inserting_after(groups):
-            shifts = graph.call_function(aten.arange.start, (0, 8), {"dtype": torch.uint8, "device": val.device})
-            with fake:
-                shifts.meta["val"] = torch.arange(0, 8, dtype=torch.uint8, device=val.device)
-        with graph.inserting_after(shifts):
+            shifts = _call(graph, fake, aten.arange.start, 0, 8, dtype=torch.uint8, device=val.device)
             bits = _call(graph, fake, aten.bitwise_left_shift.Tensor, groups, shifts)
-        with graph.inserting_after(bits):
-            pack = graph.call_function(aten.sum.dim_IntList, (bits, [-1]), {"dtype": torch.uint8})
-            with fake:
-                pack.meta["val"] = bits.meta["val"].sum(-1, dtype=torch.uint8)
-        first_bw = min(bw_users, key=lambda u: list(graph.nodes).index(u))
-        with graph.inserting_before(first_bw):
+            pack = _call(graph, fake, aten.sum.dim_IntList, bits, [-1], dtype=torch.uint8)
+        with graph.inserting_before(min(bw_users, key=order.__getitem__)):  # backward: unpack before use
             spread = _call(graph, fake, aten.unsqueeze.default, pack, -1)
             shifted = _call(graph, fake, aten.bitwise_right_shift.Tensor, spread, shifts)
             one = _call(graph, fake, aten.bitwise_and.Scalar, shifted, 1)
             flat_bits = _call(graph, fake, aten.view.default, one, [numel + pad])
             trimmed = _call(graph, fake, aten.slice.Tensor, flat_bits, 0, 0, numel)
-            as_bool = graph.call_function(aten._to_copy.default, (trimmed,), {"dtype": torch.bool})
-            with fake:
-                as_bool.meta["val"] = trimmed.meta["val"].to(torch.bool)
+            as_bool = _call(graph, fake, aten._to_copy.default, trimmed, dtype=torch.bool)
             mask = _call(graph, fake, aten.view.default, as_bool, list(val.shape))
         for u in bw_users:
             u.replace_input_with(m, mask)

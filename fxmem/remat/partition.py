@@ -28,6 +28,8 @@ _GRAPH_INDEX = itertools.count()
 @dataclass(frozen=True)
 class Record:
     plan: Plan
+    split: Split
+    sizes: SymbolicSizes
     report: Any  # fxmem.report.GraphReport
     input_ids: frozenset[int]
 
@@ -41,9 +43,6 @@ class Partitioner(CustomPartitionerFn):
     def __init__(self, options: Options, input_ids: frozenset[int] = frozenset()):
         self.options = options
         self.input_ids = input_ids  # ids of the Dynamo graph's example inputs: links reports to models
-        self.plans: list[Plan] = []
-        self.splits: list[Split] = []
-        self.sizes: list[SymbolicSizes] = []
         self.records: list[Record] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
@@ -56,9 +55,6 @@ class Partitioner(CustomPartitionerFn):
         if self.options.inner == "eager":  # what the eager inner compiler will run: report exactly that
             reuse_dead_buffers(result.fw)
             reuse_dead_buffers(result.bw)
-        self.plans.append(chosen)
-        self.splits.append(result)
-        self.sizes.append(sizes)
         root = storage_roots(gm)  # inputs, and kept views of inputs, exist before the step
         primals = set(joint.primals)
         self._record(chosen, result, sizes, {n.name for n in root if root[n] in primals})
@@ -70,8 +66,10 @@ class Partitioner(CustomPartitionerFn):
 
         index = next(_GRAPH_INDEX)
         rep = build(index, self.options.key(), chosen, result, sizes, primal_names)
-        self.records.append(Record(chosen, rep, self.input_ids))
-        log.log(logging.INFO if self.options.report else logging.DEBUG, "%s", table(rep))
+        self.records.append(Record(chosen, result, sizes, rep, self.input_ids))
+        level = logging.INFO if self.options.report else logging.DEBUG
+        if log.isEnabledFor(level):  # the table evaluates the peak: only when someone reads it
+            log.log(level, "%s", table(rep))
         if self.options.report_path:
             from ..report.model import MemoryReport
 
@@ -79,6 +77,18 @@ class Partitioner(CustomPartitionerFn):
             path = f"{path[:-5]}.{index}.json" if path.endswith(".json") else f"{path}.{index}.json"
             MemoryReport([rep]).to_json(path)
             log.info("fxmem: wrote the report of graph %d to %s", index, path)
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [r.plan for r in self.records]
+
+    @property
+    def splits(self) -> list[Split]:
+        return [r.split for r in self.records]
+
+    @property
+    def sizes(self) -> list[SymbolicSizes]:
+        return [r.sizes for r in self.records]
 
     def __deepcopy__(self, memo: dict) -> "Partitioner":
         # Inductor deep-copies its config (us included) to hash it; the splits hold fake tensors.
