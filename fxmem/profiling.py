@@ -42,6 +42,7 @@ __all__ = [
     "get_memory_stats",
     "print_memory",
     "reset_peak_memory",
+    "saved_tensor_bytes",
     "step_perf",
 ]
 
@@ -337,3 +338,23 @@ def reset_peak_memory(device: DeviceLike) -> None:
     dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+
+
+def saved_tensor_bytes(fn, *args, **kwargs) -> int:
+    """Bytes that autograd keeps for backward when ``fn(*args, **kwargs)`` runs: the distinct
+    storages saved by its ops (``saved_tensors_hooks``), not counting storages of tensors passed
+    in ``args``/``kwargs`` (inputs and parameters that exist anyway). Eager mode only."""
+    given = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values())
+             if isinstance(t, torch.Tensor)}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in given:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    del out
+    return sum(saved.values())

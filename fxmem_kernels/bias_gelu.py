@@ -1,0 +1,155 @@
+"""Bias + GELU (erf and tanh forms): ``gelu(x + bias)``.
+
+The forward is fused; the backward recomputes the activation's derivative from ``x`` and
+``bias`` instead of keeping the pre-activation ``x + bias``. The bias gradient is the row sum of
+``dx``, left to PyTorch (a reduction across rows is not what an elementwise kernel is for).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._common import HAS_TRITON, launcher, once_differentiable, rowwise_vmap, use_triton
+
+APPROXIMATIONS = ("none", "tanh")
+_BLOCK = 1024
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gelu_fwd_kernel(x_ptr, b_ptr, y_ptr, n, h, HAS_BIAS: tl.constexpr, TANH: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(b_ptr + offs % h, mask=mask, other=0.0).to(tl.float32)
+        if TANH:
+            # tanh(u) = 1 - 2 / (exp(2u) + 1): libdevice.tanh is not in the interpreter.
+            t = 1.0 - 2.0 / (tl.exp(1.5957691216057308 * (z + 0.044715 * z * z * z)) + 1.0)
+            y = 0.5 * z * (1.0 + t)
+        else:
+            y = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gelu_bwd_kernel(g_ptr, x_ptr, b_ptr, dx_ptr, n, h, HAS_BIAS: tl.constexpr,
+                         TANH: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(b_ptr + offs % h, mask=mask, other=0.0).to(tl.float32)
+        if TANH:
+            t = 1.0 - 2.0 / (tl.exp(1.5957691216057308 * (z + 0.044715 * z * z * z)) + 1.0)
+            d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (
+                1.0 + 3.0 * 0.044715 * z * z)
+        else:
+            d = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476)) + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+        tl.store(dx_ptr + offs, (g * d).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: Tensor, bias: Optional[Tensor], approximate: str) -> None:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"fxmem_kernels.bias_gelu: approximate must be one of {APPROXIMATIONS}, "
+                         f"got {approximate!r}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != x.shape[-1]):
+        raise ValueError(f"fxmem_kernels.bias_gelu: bias must have shape [{x.shape[-1]}] "
+                         f"(x's last dim), got {list(bias.shape)}")
+
+
+def _launch(kernel, out, *tensors, x, bias, approximate):
+    n = x.numel()
+    xc = x.contiguous()
+    b = bias.contiguous() if bias is not None else xc  # placeholder pointer, never read
+    grid = (triton.cdiv(n, _BLOCK),)
+    launcher(kernel, x)[grid](*[t.contiguous() for t in tensors], xc, b, out, n, x.shape[-1],
+                              HAS_BIAS=bias is not None, TANH=approximate == "tanh", BLOCK=_BLOCK)
+    return out
+
+
+def _pre(x: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return x.float() if bias is None else x.float() + bias.float()
+
+
+# -- functional ops (what a graph pass places) ------------------------------------------------
+@torch.library.custom_op("fxmem::bias_gelu", mutates_args=())
+def bias_gelu_op(x: Tensor, bias: Optional[Tensor], approximate: str = "none",
+                 impl: str = "auto") -> Tensor:
+    _check(x, bias, approximate)
+    if use_triton(impl, x):
+        return _launch(_gelu_fwd_kernel, torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                       x=x, bias=bias, approximate=approximate)
+    return torch.nn.functional.gelu(_pre(x, bias), approximate=approximate).to(x.dtype)
+
+
+@bias_gelu_op.register_fake
+def _(x, bias, approximate="none", impl="auto"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fxmem::bias_gelu_backward", mutates_args=())
+def bias_gelu_backward_op(grad_y: Tensor, x: Tensor, bias: Optional[Tensor],
+                          approximate: str = "none", impl: str = "auto") -> Tensor:
+    """``d gelu(x + bias) / dx`` times ``grad_y`` (= the gradient of ``x + bias``)."""
+    _check(x, bias, approximate)
+    if use_triton(impl, x):
+        return _launch(_gelu_bwd_kernel, torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                       grad_y, x=x, bias=bias, approximate=approximate)
+    z = _pre(x, bias)
+    g = grad_y.float()
+    if approximate == "tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z.pow(3)))
+        d = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
+    else:
+        d = 0.5 * (1 + torch.erf(z * math.sqrt(0.5))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    return (g * d).to(x.dtype)
+
+
+@bias_gelu_backward_op.register_fake
+def _(grad_y, x, bias, approximate="none", impl="auto"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+bias_gelu_op.register_vmap(rowwise_vmap(bias_gelu_op, row_args=(0,)))
+bias_gelu_backward_op.register_vmap(rowwise_vmap(bias_gelu_backward_op, row_args=(0, 1)))
+
+
+# -- eager API with autograd ------------------------------------------------------------------
+class _BiasGelu(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, bias, approximate, impl):
+        return bias_gelu_op(x, bias, approximate, impl)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, bias, ctx.approximate, ctx.impl = inputs
+        ctx.save_for_backward(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        once_differentiable("bias_gelu")
+        x, bias = ctx.saved_tensors
+        with torch.no_grad():
+            dx = bias_gelu_backward_op(grad_y, x, bias, ctx.approximate, ctx.impl)
+            dbias = None
+            if bias is not None and ctx.needs_input_grad[1]:
+                dbias = dx.reshape(-1, dx.shape[-1]).sum(0, dtype=torch.float32).to(bias.dtype)
+        return dx, dbias, None, None
+
+
+def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none",
+              impl: str = "auto") -> Tensor:
+    """``gelu(x + bias)`` (``approximate`` "none" for erf, "tanh" for GPT-2's form) that keeps
+    ``x`` rather than the pre-activation for backward. Works under ``torch.func.vmap`` and
+    ``vmap(grad(...))``; ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA)."""
+    return _BiasGelu.apply(x, bias, approximate, impl)
