@@ -6,7 +6,6 @@ The forward is fused; the backward recomputes the activation's derivative from `
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -16,7 +15,6 @@ from ._common import HAS_TRITON, launcher, once_differentiable, rowwise_vmap, us
 
 APPROXIMATIONS = ("none", "tanh")
 _BLOCK = 1024
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 if HAS_TRITON:
     import triton
@@ -75,10 +73,6 @@ def _launch(kernel, out, *tensors, x, bias, approximate):
     return out
 
 
-def _pre(x: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return x.float() if bias is None else x.float() + bias.float()
-
-
 # -- functional ops (what a graph pass places) ------------------------------------------------
 @torch.library.custom_op("fxmem::bias_gelu", mutates_args=())
 def bias_gelu_op(x: Tensor, bias: Optional[Tensor], approximate: str = "none",
@@ -87,7 +81,8 @@ def bias_gelu_op(x: Tensor, bias: Optional[Tensor], approximate: str = "none",
     if use_triton(impl, x):
         return _launch(_gelu_fwd_kernel, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        x=x, bias=bias, approximate=approximate)
-    return torch.nn.functional.gelu(_pre(x, bias), approximate=approximate).to(x.dtype)
+    z = x.float() + bias if bias is not None else x.float().clone()
+    return torch.ops.aten.gelu_(z, approximate=approximate).to(x.dtype)  # one fresh buffer
 
 
 @bias_gelu_op.register_fake
@@ -103,14 +98,9 @@ def bias_gelu_backward_op(grad_y: Tensor, x: Tensor, bias: Optional[Tensor],
     if use_triton(impl, x):
         return _launch(_gelu_bwd_kernel, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        grad_y, x=x, bias=bias, approximate=approximate)
-    z = _pre(x, bias)
-    g = grad_y.float()
-    if approximate == "tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z.pow(3)))
-        d = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * z * z)
-    else:
-        d = 0.5 * (1 + torch.erf(z * math.sqrt(0.5))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-    return (g * d).to(x.dtype)
+    # aten's fused gelu_backward recomputes the derivative from the pre-activation.
+    z = x.float() + bias if bias is not None else x.float()
+    return torch.ops.aten.gelu_backward(grad_y.float(), z, approximate=approximate).to(x.dtype)
 
 
 @bias_gelu_backward_op.register_fake

@@ -1,0 +1,141 @@
+"""Kernel benchmark: every fused kernel against its unfused PyTorch expression, side by side.
+
+    python bench/kernels.py                       # all families, bench shapes (CPU: ~10 min)
+    python bench/kernels.py --quick               # small shapes: writes kernels-quick.*
+    python bench/kernels.py --families linear_cross_entropy --steps 9
+
+For each case (bench/kernel_cases/) and each variant: loss and gradients are checked against the
+first variant (the unfused reference); peak memory of one forward + backward is measured exactly
+(CPU: allocator events; CUDA: max_memory_allocated) above what was live before the step; time is
+the median of ``--steps`` steps after one warm-up, the variants interleaved step by step so
+machine drift hits them alike. Writes bench/results/<name>.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench.kernel_cases import all_cases  # noqa: E402
+from fxmem.profiling import step_perf  # noqa: E402
+
+MIB = 2**20
+
+
+def _step(case, fn, inputs):
+    """Forward + backward of one variant: (loss, grads)."""
+    if case.grad_of is not None:
+        return case.grad_of(fn, inputs)
+    diff = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    loss = fn(*inputs)
+    return loss.detach(), torch.autograd.grad(loss, diff)
+
+
+def _close(a, b, case) -> tuple[bool, float]:
+    worst = 0.0
+    for x, y in zip(a, b):
+        err = ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)).item()
+        worst = max(worst, err)
+    return worst <= case.rtol, worst
+
+
+def run_case(case, steps: int, device: str) -> list[dict]:
+    inputs = [t.to(device).detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+              else t for t in case.make_inputs()]
+    names = list(case.variants)
+    ref_loss, ref_grads = _step(case, case.variants[names[0]], inputs)
+    rows = {}
+    for name in names:
+        fn = case.variants[name]
+        loss, grads = _step(case, fn, inputs)  # warm-up, and the correctness check
+        ok, err = _close([loss, *grads], [ref_loss, *ref_grads], case)
+        del loss, grads
+        with step_perf(device) as perf:
+            out = _step(case, fn, inputs)
+        del out
+        rows[name] = dict(family=case.family, case=case.name, variant=name, ok=ok, rel_err=err,
+                          peak_bytes=perf.result.peak_bytes, times=[])
+    for _ in range(steps):
+        for name in names:
+            with step_perf(device, memory=False) as perf:
+                out = _step(case, case.variants[name], inputs)
+            del out
+            rows[name]["times"].append(perf.result.time_s)
+    ref = rows[names[0]]
+    for r in rows.values():
+        r["time_s"] = statistics.median(r["times"])
+        r["peak_ratio"] = r["peak_bytes"] / ref["peak_bytes"] if ref["peak_bytes"] else None
+        r["time_ratio"] = r["time_s"] / ref["time_s"]
+        r["targets"] = case.targets if r is not ref else {}
+        r["notes"] = case.notes
+    return list(rows.values())
+
+
+def _markdown(rows, meta) -> str:
+    lines = [f"# Kernel benchmark: {meta['name']}", "",
+             f"`{meta['command']}` at commit {meta['commit']}, {meta['date']}, {meta['device']}, "
+             f"{meta['threads']} torch thread(s); time = median of {meta['steps']} steps after "
+             "warm-up, variants interleaved; peak = exact peak of one forward + backward above "
+             "what was live before it. Ratios are against the first (unfused) variant of each case.",
+             "", "| family | case | variant | grads | peak MiB | peak ratio | ms | time ratio | targets |",
+             "|---|---|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        tgt = ", ".join(f"{k} <= {v}" for k, v in r["targets"].items())
+        met = ""
+        if r["targets"]:
+            good = all(r.get(k) is not None and r[k] <= v for k, v in r["targets"].items())
+            met = " (met)" if good else " (MISSED)"
+        lines.append(f"| {r['family']} | {r['case']} | {r['variant']} | "
+                     f"{'ok' if r['ok'] else 'MISMATCH'} ({r['rel_err']:.1e}) | "
+                     f"{r['peak_bytes'] / MIB:.1f} | {r['peak_ratio']:.3f} | "
+                     f"{r['time_s'] * 1e3:.1f} | {r['time_ratio']:.2f} | {tgt}{met} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--name", default="kernels")
+    ap.add_argument("--quick", action="store_true", help="small shapes; appends -quick to the name")
+    ap.add_argument("--families", default="", help="comma-separated kernel_cases modules")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    name = args.name + ("-quick" if args.quick else "")
+    cases = all_cases(args.quick, [f for f in args.families.split(",") if f] or None)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=HERE).stdout.strip()
+    meta = dict(name=name, command="python " + " ".join(["bench/kernels.py", *sys.argv[1:]]),
+                commit=commit, date=_dt.date.today().isoformat(), steps=args.steps,
+                threads=args.threads, device=args.device if args.device != "cpu" else
+                f"CPU ({platform.processor() or platform.machine()})")
+    rows = []
+    out = HERE / "results"
+    for i, case in enumerate(cases, 1):
+        t0 = time.perf_counter()
+        print(f"[{i}/{len(cases)}] {case.family}: {case.name} ...", flush=True)
+        rows += run_case(case, args.steps, args.device)
+        for r in rows[-len(case.variants):]:
+            print(f"    {r['variant']:>24}: peak {r['peak_bytes'] / MIB:8.1f} MiB "
+                  f"({r['peak_ratio']:.3f}x)  {r['time_s'] * 1e3:8.1f} ms ({r['time_ratio']:.2f}x)  "
+                  f"{'ok' if r['ok'] else 'MISMATCH'}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / f"{name}.md").write_text(_markdown(rows, meta))
+    bad = [r for r in rows if not r["ok"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
