@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from . import inner
+from . import inner, per_example
 from .options import OptionError, Options, resolve
 from .remat.partition import Partitioner
 
@@ -25,6 +26,13 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
         opts = resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
+    chunked = per_example.compile_chunked(gm, example_inputs, opts, lambda g, ins: _compile(g, ins, opts),
+                                          lambda g, ins: _compile(g, ins, replace(opts, inner="eager")))
+    return chunked if chunked is not None else _compile(gm, example_inputs, opts)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: Options):
+    """AOTAutograd with fxmem's partitioner, then the inner compiler."""
     partitioner = Partitioner(opts, frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor)))
     if opts.inner == "eager":
         compiled = aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=partitioner)(gm, example_inputs)

@@ -1,0 +1,59 @@
+"""Per-example (``vmap(grad(...))``) regions: find them, prove what follows them is per example
+or a batch sum, and run them in microbatches (``options={"microbatch_size": m | "auto"}``)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..options import OptionError
+from .chunk import split
+from .regions import Unsupported, find_regions
+from .run import ChunkedStep, ChunkPlan
+
+__all__ = ["PLANS", "ChunkPlan", "Unsupported", "compile_chunked"]
+
+# Every decision the pass made, oldest first (what reports and dpsgd.clipped_grad read).
+PLANS: list[ChunkPlan] = []
+
+
+def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_chunk: Callable,
+                    measure_chunk: Callable | None = None) -> Callable | None:
+    """A chunked runner for ``gm``, or None when there is nothing to chunk (no vmap region, or
+    ``microbatch_size`` unset). When the graph cannot be proven chunkable it warns with the
+    reason and returns None (unchunked, correct) — or raises under ``strict``."""
+    if options.microbatch_size is None:
+        return None
+    plan = ChunkPlan(0, requested=options.microbatch_size)
+    try:
+        regions = find_regions(gm.graph)
+        if not regions:
+            return None
+        PLANS.append(plan)
+        plan.batch_size = batch = regions[0].batch_size
+        if len(regions) > 1:
+            raise Unsupported(f"{len(regions)} vmap regions in one graph; only one is chunked")
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in example_inputs):
+            raise Unsupported("inputs require grad and grad mode is on: the chunked step has no "
+                              "outer backward; call it under torch.no_grad() or detach the inputs")
+        if options.microbatch_size == "auto":
+            if not isinstance(options.memory_budget, int):
+                raise OptionError("option 'microbatch_size': 'auto' needs memory_budget in bytes "
+                                 f"(an int or a string such as '128MB'), got {options.memory_budget!r}")
+            plan.memory_budget = options.memory_budget
+        else:
+            plan.microbatch_size = min(options.microbatch_size, batch)
+        parts = split(gm, regions[0])
+        plan.fused_sums = parts.fused_sums
+    except Unsupported as e:
+        if options.strict:
+            raise
+        if plan not in PLANS:
+            PLANS.append(plan)
+        plan.reason = str(e)
+        warnings.warn(f"fxmem per-example: not chunking this graph: {e}", stacklevel=2)
+        return None
+    return ChunkedStep(parts, plan, compile_chunk, measure_chunk)

@@ -1,0 +1,131 @@
+"""Run a split per-example graph: the outer graph once, the chunk graph over the batch in
+microbatches (sums accumulated in fp32), the rest once. ``microbatch_size="auto"`` measures the
+chunk graph's peak at two sizes, fits ``peak(m) = a + b*m`` and takes the largest m that fits
+the budget, then checks that m by measurement."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..profiling import step_perf
+from .chunk import Split
+
+log = logging.getLogger("fxmem")
+
+
+class _Ref(str):
+    """A node name inside the output structure (plain strings there are constants)."""
+
+
+@dataclass
+class ChunkPlan:
+    """What the per-example pass decided for one graph (``fxmem.per_example.PLANS``)."""
+    batch_size: int
+    microbatch_size: int | None = None
+    requested: Any = None                      # the microbatch_size option
+    memory_budget: int | None = None
+    predicted_peak: Callable[[int], int] | None = field(default=None, repr=False)
+    measured: dict[int, int] = field(default_factory=dict)  # m -> measured step peak (bytes)
+    fused_sums: int = 0
+    reason: str | None = None                  # why the graph was not chunked
+
+    @property
+    def chunked(self) -> bool:
+        return self.reason is None
+
+
+class ChunkedStep:
+    def __init__(self, split: Split, plan: ChunkPlan, compile_chunk: Callable,
+                 measure_chunk: Callable | None = None):
+        self.split, self.plan = split, plan
+        self._compile, self._measure_compile = compile_chunk, measure_chunk or compile_chunk
+        self._compiled: dict[int, Callable] = {}
+        self._spec = fx.node.map_aggregate(split.output_spec,
+                                           lambda x: _Ref(x) if isinstance(x, str) else x)
+
+    def _chunk_fn(self, m: int, inputs: list, compile_fn=None) -> Callable:
+        if compile_fn is not None:
+            return compile_fn(self.split.make_chunk(m), inputs)
+        if m not in self._compiled:
+            log.debug("fxmem per-example: compiling the chunk graph for %d examples", m)
+            self._compiled[m] = self._compile(self.split.make_chunk(m), inputs)
+        return self._compiled[m]
+
+    def _inputs(self, env: dict, start: int, size: int) -> list:
+        return [env[name].narrow(dim, start, size) if dim is not None else env[name]
+                for name, dim in self.split.chunk_inputs]
+
+    def _step_peak(self, env: dict, m: int, compile_fn) -> int:
+        """Exact peak of a whole step with chunk size m (above what is live at entry)."""
+        fn = self._chunk_fn(m, self._inputs(env, 0, m), compile_fn)
+        fn(*self._inputs(env, 0, m))  # warm-up: first-call allocations are not the step's
+        with step_perf(self._device(env)) as perf:
+            out = self._loop(env, m, lambda size, ins: fn(*ins) if size == m else
+                             self._chunk_fn(size, ins, compile_fn)(*ins))
+        del out
+        return perf.result.peak_bytes
+
+    def _device(self, env: dict) -> torch.device:
+        for v in env.values():
+            if isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
+
+    def _choose(self, env: dict) -> int:
+        plan, B = self.plan, self.plan.batch_size
+        budget = plan.memory_budget
+        m1, m2 = 1, min(B, 4)
+        p1 = self._step_peak(env, m1, self._measure_compile)
+        p2 = self._step_peak(env, m2, self._measure_compile) if m2 > m1 else p1
+        slope = max(0.0, (p2 - p1) / (m2 - m1)) if m2 > m1 else 0.0
+        plan.measured.update({m1: p1, m2: p2})
+        plan.predicted_peak = lambda m, a=p1 - slope * m1, b=slope: int(a + b * m)
+        if p1 > budget:
+            raise MemoryError(f"fxmem: memory_budget {budget} bytes is below the peak of one example "
+                              f"at a time ({p1} bytes measured); the smallest feasible budget is {p1}")
+        m = max(1, min(B, int((budget - (p1 - slope * m1)) // slope) if slope > 0 else B))
+        while m > 1:
+            peak = plan.measured.get(m) or self._step_peak(env, m, self._measure_compile)
+            plan.measured[m] = peak
+            if peak <= budget:
+                break
+            m -= 1
+        log.info("fxmem per-example: microbatch_size=auto chose %d of %d (budget %d bytes, "
+                 "measured peak %d)", m, B, budget, plan.measured.get(m, p1))
+        return m
+
+    def _loop(self, env: dict, m: int, run: Callable) -> dict:
+        split, B = self.split, self.plan.batch_size
+        acc: list = [None] * len(split.partials)
+        parts: list[list] = [[] for _ in split.chunk_batched_outputs]
+        for start in range(0, B, m):
+            size = min(m, B - start)
+            outs = run(size, self._inputs(env, start, size))
+            for i, p in enumerate(outs[:len(acc)]):
+                if acc[i] is None:
+                    acc[i] = p.to(torch.promote_types(p.dtype, torch.float32), copy=True)
+                else:
+                    acc[i].add_(p)
+            for j, t in enumerate(outs[len(acc):]):
+                parts[j].append(t)
+            del outs
+        result = {}
+        for name, a, dtype in zip(split.partials, acc, split.partial_dtypes):
+            result[name] = a.to(dtype)
+        for (name, dim), ts in zip(split.chunk_batched_outputs, parts):
+            result[name] = torch.cat(ts, dim)
+        return result
+
+    def __call__(self, *args):
+        split = self.split
+        env = dict(zip(split.outer_outputs, split.outer(*args)))
+        if self.plan.microbatch_size is None:
+            self.plan.microbatch_size = self._choose(env)
+        m = self.plan.microbatch_size
+        env.update(self._loop(env, m, lambda size, ins: self._chunk_fn(size, ins)(*ins)))
+        env.update(zip(split.rest_outputs, split.rest(*[env[n] for n in split.rest_inputs])))
+        return fx.node.map_aggregate(self._spec, lambda x: env[x] if isinstance(x, _Ref) else x)
