@@ -8,14 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch import predispatch
 
 _INC, _DEC = predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting
 ADD_BATCH_DIM, REMOVE_BATCH_DIM = predispatch._add_batch_dim, predispatch._remove_batch_dim
 
 
-class Unsupported(Exception):
-    """The graph cannot be chunked; the message says why (it goes into the report)."""
+class Unsupported(ShortenTraceback):  # a RuntimeError
+    """The graph cannot be chunked; the message says why (it goes into the report). Raised to
+    the user only under ``strict=True``, as itself (a ShortenTraceback, so Dynamo does not wrap
+    it)."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+        self.first_useful_frame = None
 
 
 @dataclass

@@ -1,0 +1,176 @@
+"""The backend's per-example pass: vmap(grad) regions run in microbatches, results unchanged."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.func import functional_call, grad, vmap
+
+from fxmem import per_example
+from fxmem.options import OptionError
+from fxmem.profiling import step_perf
+
+C = 1.0
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Flatten(), nn.Linear(16 * 5, 64), nn.GELU(),
+                         nn.Linear(64, 50))
+
+
+def _step(model, mean_over_batch=False):
+    def loss_fn(p, x, y):
+        return nn.functional.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+
+    def step(p, x, y):
+        g = vmap(grad(loss_fn), in_dims=(None, 0, 0))(p, x, y)
+        norms = torch.linalg.vector_norm(torch.cat([v.reshape(v.shape[0], -1) for v in g.values()], 1), dim=1)
+        factor = (C / (norms + 1e-6)).clamp(max=1.0)
+        red = (lambda t: t.mean(0)) if mean_over_batch else (lambda t: t.sum(0))
+        return {k: red(v * factor.view(-1, *[1] * (v.dim() - 1))) for k, v in g.items()}, norms
+
+    return step
+
+
+def _loop(model, params, x, y):
+    """The explicit per-example loop: the reference."""
+    sums = {k: torch.zeros_like(v) for k, v in params.items()}
+    norms = []
+    for i in range(x.shape[0]):
+        out = functional_call(model, params, (x[i:i + 1],))
+        gs = torch.autograd.grad(nn.functional.cross_entropy(out, y[i:i + 1]), list(params.values()))
+        norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in gs]))
+        f = min(1.0, C / (norm.item() + 1e-6))
+        for k, g in zip(params, gs):
+            sums[k] += f * g
+        norms.append(norm)
+    return sums, torch.stack(norms)
+
+
+def _data(batch):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 50, (batch, 5), generator=g), torch.randint(0, 50, (batch,), generator=g)
+
+
+def _params(model):
+    return {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+
+
+def _run(step, params, x, y, **options):
+    with torch.no_grad():
+        return torch.compile(step, backend="fxmem", options={"inner": "eager", **options})(params, x, y)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 11])
+def test_chunked_sums_equal_the_per_example_loop(m):
+    model = _model()
+    params, (x, y) = _params(model), _data(11)
+    sums, norms = _run(_step(model), params, x, y, microbatch_size=m)
+    plan = per_example.PLANS[-1]
+    assert plan.chunked and plan.microbatch_size == min(m, 11) and plan.fused_sums == len(params)
+    ref_sums, ref_norms = _loop(model, params, x, y)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)
+    assert max(n for n in norms.tolist()) > C  # some examples were clipped, so clipping is tested
+
+
+def test_per_example_gradients_never_exist_for_the_whole_batch():
+    model = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256))
+    x, y = torch.randn(16, 256), torch.randn(16, 256)
+
+    def loss_fn(p, x, y):
+        return (functional_call(model, p, (x,)) - y).pow(2).mean()
+
+    def step(p, x, y):
+        g = vmap(grad(loss_fn), in_dims=(None, 0, 0))(p, x, y)
+        norms = torch.linalg.vector_norm(torch.cat([v.reshape(16, -1) for v in g.values()], 1), dim=1)
+        factor = (C / (norms + 1e-6)).clamp(max=1.0)
+        return {k: (v * factor.view(-1, *[1] * (v.dim() - 1))).sum(0) for k, v in g.items()}
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    peaks = {}
+    for m in (None, 2):
+        torch._dynamo.reset()
+        fn = torch.compile(step, backend="fxmem", options={"inner": "eager", "microbatch_size": m})
+        fn(params, x, y)
+        with step_perf("cpu") as perf:
+            out = fn(params, x, y)
+        peaks[m] = perf.result.peak_bytes
+        del out
+    per_example_grads = 16 * sum(v.numel() * 4 for v in params.values())
+    assert peaks[None] > per_example_grads > 3 * peaks[2]
+
+
+def test_one_compile_serves_every_step_including_the_remainder_chunk():
+    model = _model()
+    params, (x, y) = _params(model), _data(7)
+    fn = torch.compile(_step(model), backend="fxmem", options={"inner": "eager", "microbatch_size": 3})
+    with torch.no_grad():
+        first = fn(params, x, y)
+        runner_compiles = len(per_example.PLANS)
+        second = fn(params, x, y)
+    assert len(per_example.PLANS) == runner_compiles  # no new Dynamo compile
+    for k in params:
+        assert torch.equal(first[0][k], second[0][k])
+
+
+def test_auto_takes_the_largest_microbatch_that_fits():
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+
+    def loss_fn(p, x, y):
+        return (functional_call(model, p, (x,)) - y).pow(2).mean()
+
+    def step(p, x, y):
+        g = vmap(grad(loss_fn), in_dims=(None, 0, 0))(p, x, y)
+        norms = torch.linalg.vector_norm(torch.cat([v.reshape(16, -1) for v in g.values()], 1), dim=1)
+        return {k: (v * (C / (norms + 1e-6)).clamp(max=1.0).view(-1, *[1] * (v.dim() - 1))).sum(0)
+                for k, v in g.items()}
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_example_bytes = sum(v.numel() * 4 for v in params.values())
+    budget = 6 * per_example_bytes
+    fn = torch.compile(step, backend="fxmem",
+                       options={"inner": "eager", "microbatch_size": "auto", "memory_budget": budget})
+    fn(params, x, y)
+    plan = per_example.PLANS[-1]
+    m = plan.microbatch_size
+    assert 1 < m < 16
+    assert plan.measured[m] <= budget
+    assert plan.predicted_peak(m + 1) > budget or plan.measured.get(m + 1, budget + 1) > budget
+    with step_perf("cpu") as perf:
+        fn(params, x, y)
+    assert perf.result.peak_bytes <= budget
+
+
+def test_auto_needs_a_byte_budget():
+    model = _model()
+    params, (x, y) = _params(model), _data(4)
+    with pytest.raises(OptionError, match="'auto' needs memory_budget in bytes"):
+        _run(_step(model), params, x, y, microbatch_size="auto")
+
+
+def test_unprovable_epilogue_falls_back_unchunked_with_the_reason():
+    model = _model()
+    params, (x, y) = _params(model), _data(6)
+    with pytest.warns(UserWarning, match="not chunking this graph: .*mean over the batch"):
+        sums, _ = _run(_step(model, mean_over_batch=True), params, x, y, microbatch_size=2)
+    assert not per_example.PLANS[-1].chunked
+    ref_sums, _ = _loop(model, params, x, y)
+    for k in params:
+        torch.testing.assert_close(sums[k], ref_sums[k] / 6, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    with pytest.raises(per_example.Unsupported, match="mean over the batch"):
+        _run(_step(model, mean_over_batch=True), params, x, y, microbatch_size=2, strict=True)
+
+
+def test_grad_mode_inputs_fall_back_with_a_warning():
+    model = _model()
+    params, (x, y) = _params(model), _data(4)
+    fn = torch.compile(_step(model), backend="fxmem", options={"inner": "eager", "microbatch_size": 2})
+    with pytest.warns(UserWarning, match="inputs require grad"):
+        sums, _ = fn(params, x, y)
+    ref_sums, _ = _loop(model, params, x, y)
+    torch.testing.assert_close(sums["0.weight"].detach(), ref_sums["0.weight"], rtol=1e-5, atol=1e-6)
