@@ -68,7 +68,8 @@ def test_chunked_sums_equal_the_per_example_loop(m):
     params, (x, y) = _params(model), _data(11)
     sums, norms = _run(_step(model), params, x, y, microbatch_size=m)
     plan = per_example.PLANS[-1]
-    assert plan.chunked and plan.microbatch_size == min(m, 11) and plan.fused_sums == len(params)
+    assert plan.chunked and plan.microbatch_size == min(m, 11)
+    assert plan.fused_sums == len(params) and plan.fused_norms == 1
     ref_sums, ref_norms = _loop(model, params, x, y)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
     for k in params:

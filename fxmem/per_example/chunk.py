@@ -101,7 +101,10 @@ def split(gm: fx.GraphModule, region: Region) -> Split:
                 new.args = _with_leading(new.args, m)
             env[n] = new
         g.output(tuple(env[p] for p in epi.partials) + tuple(env[n] for n in batched_outputs))
-        return _gm(gm, g)
+        fused_norms = _split_cat_norms(g)
+        out = _gm(gm, g)
+        out.fused_norms = fused_norms
+        return out
 
     by_name = {n.name: n for n in gm.graph.nodes}
     # -- rest ----------------------------------------------------------------------------------
@@ -166,3 +169,36 @@ def _emit_matvec(graph: fx.Graph, env: dict, g: fx.Node, f: fx.Node, m: int) -> 
     rows = graph.call_method("reshape", (env[g], m, -1))
     mv = graph.call_function(torch.mv, (graph.call_method("t", (rows,)), env[f]))
     return graph.call_method("reshape", (mv, shape))
+
+
+_NORMS = {torch.linalg.vector_norm, torch._C._linalg.linalg_vector_norm}
+
+
+def _split_cat_norms(graph: fx.Graph) -> int:
+    """``vector_norm(cat([g1.reshape(m, -1), g2...], 1), dim=1)`` -> ``sqrt(sum_i norm(g_i)^2)``:
+    the same per-example global norm without an ``[m, P]`` copy of every gradient."""
+    count = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target in _NORMS):
+            continue
+        cat = node.args[0]
+        extra = set(node.kwargs) - {"dim"} or len(node.args) > 1
+        if extra or node.kwargs.get("dim") not in (1, -1, (1,), [1]) or not (
+                isinstance(cat, fx.Node) and cat.op == "call_function" and cat.target is torch.cat):
+            continue
+        parts, dim = cat.args[0], cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+        if dim not in (1, -1) or len(cat.users) != 1:
+            continue
+        with graph.inserting_before(node):
+            squares = [graph.call_method("pow", (graph.call_function(
+                torch.linalg.vector_norm, (p,), {"dim": 1, "dtype": torch.float32}), 2)) for p in parts]
+            total = graph.call_function(torch.stack, (squares,), {"dim": 1})
+            norm = graph.call_method("sqrt", (graph.call_method("sum", (total, 1)),))
+            val = node.meta.get("example_value")
+            if isinstance(val, torch.Tensor) and val.dtype != torch.float32:
+                norm = graph.call_method("to", (norm, val.dtype))
+        node.replace_all_uses_with(norm)
+        graph.erase_node(node)
+        graph.erase_node(cat)
+        count += 1
+    return count

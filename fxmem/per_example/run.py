@@ -30,7 +30,8 @@ class ChunkPlan:
     memory_budget: int | None = None
     predicted_peak: Callable[[int], int] | None = field(default=None, repr=False)
     measured: dict[int, int] = field(default_factory=dict)  # m -> measured step peak (bytes)
-    fused_sums: int = 0
+    fused_sums: int = 0                        # clip-weighted batch sums done as matvecs
+    fused_norms: int = 0                       # global norms taken without concatenating
     reason: str | None = None                  # why the graph was not chunked
 
     @property
@@ -48,12 +49,15 @@ class ChunkedStep:
                                            lambda x: _Ref(x) if isinstance(x, str) else x)
 
     def _chunk_fn(self, m: int, inputs: list, compile_fn=None) -> Callable:
-        if compile_fn is not None:
-            return compile_fn(self.split.make_chunk(m), inputs)
-        if m not in self._compiled:
-            log.debug("fxmem per-example: compiling the chunk graph for %d examples", m)
-            self._compiled[m] = self._compile(self.split.make_chunk(m), inputs)
-        return self._compiled[m]
+        if compile_fn is None and m in self._compiled:
+            return self._compiled[m]
+        log.debug("fxmem per-example: compiling the chunk graph for %d examples", m)
+        gm = self.split.make_chunk(m)
+        self.plan.fused_norms = gm.fused_norms
+        fn = (compile_fn or self._compile)(gm, inputs)
+        if compile_fn is None:
+            self._compiled[m] = fn
+        return fn
 
     def _inputs(self, env: dict, start: int, size: int) -> list:
         return [env[name].narrow(dim, start, size) if dim is not None else env[name]
