@@ -175,3 +175,17 @@ def test_grad_mode_inputs_fall_back_with_a_warning():
         sums, _ = fn(params, x, y)
     ref_sums, _ = _loop(model, params, x, y)
     torch.testing.assert_close(sums["0.weight"].detach(), ref_sums["0.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_report_lists_the_microbatching_decision():
+    import fxmem
+
+    model = _model()
+    params, (x, y) = _params(model), _data(5)
+    _run(_step(model), params, x, y, microbatch_size=2)
+    rep = fxmem.report()
+    text = str(rep)
+    assert "per-example region: batch 5, microbatch_size=2: runs in chunks of 2" in text
+    assert f"{len(params)} clip-weighted batch sums as matvecs, 1 global norms" in text
+    again = type(rep).from_json(rep.to_json())
+    assert again.per_example[-1]["microbatch_size"] == 2

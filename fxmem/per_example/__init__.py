@@ -26,7 +26,8 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
     reason and returns None (unchunked, correct) — or raises under ``strict``."""
     if options.microbatch_size is None:
         return None
-    plan = ChunkPlan(0, requested=options.microbatch_size)
+    plan = ChunkPlan(0, requested=options.microbatch_size,
+                     input_ids=frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor)))
     try:
         regions = find_regions(gm.graph)
         if not regions:

@@ -34,9 +34,19 @@ class ChunkPlan:
     fused_norms: int = 0                       # global norms taken without concatenating
     reason: str | None = None                  # why the graph was not chunked
 
+    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+
     @property
     def chunked(self) -> bool:
         return self.reason is None
+
+    def summary(self) -> dict:
+        """Plain data for reports and JSON."""
+        return dict(batch_size=self.batch_size, microbatch_size=self.microbatch_size,
+                    requested=self.requested, memory_budget=self.memory_budget,
+                    measured={int(k): int(v) for k, v in self.measured.items()},
+                    fused_sums=self.fused_sums, fused_norms=self.fused_norms,
+                    chunked=self.chunked, reason=self.reason)
 
 
 class ChunkedStep:

@@ -18,14 +18,18 @@ def report(compiled: Any = None) -> MemoryReport:
     """The report of every graph fxmem compiled for ``compiled`` (a ``torch.compile``d module,
     or the module itself); with no argument, of every graph compiled in this process."""
     from ..backend import COMPILES
+    from ..per_example import PLANS
 
     records = [r for p in COMPILES for r in p.records]
+    chunk_plans = list(PLANS)
     if compiled is not None:
         module = getattr(compiled, "_orig_mod", compiled)
         params = getattr(module, "parameters", None)
         ids = {id(t) for t in params()} if callable(params) else set()
         records = [r for r in records if r.input_ids & ids] if ids else records
-    return MemoryReport([r.report for r in records], [r.plan for r in records])
+        chunk_plans = [p for p in chunk_plans if p.input_ids & ids] if ids else chunk_plans
+    return MemoryReport([r.report for r in records], [r.plan for r in records],
+                        [p.summary() for p in chunk_plans])
 
 
 def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) -> MemoryReport:

@@ -102,11 +102,13 @@ class MemoryReport:
 
     graphs: list[GraphReport]
     plans: list = field(default_factory=list, repr=False)  # live plans (for frontiers), when known
+    per_example: list[dict] = field(default_factory=list)  # microbatching decisions (ChunkPlan.summary)
 
     def __str__(self) -> str:
-        from .render import table
+        from .render import per_example_lines, table
 
-        return "\n\n".join(table(g) for g in self.graphs) or "fxmem: no graphs compiled"
+        parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
+        return "\n\n".join(parts) or "fxmem: no graphs compiled"
 
     def _graph(self) -> GraphReport:
         if not self.graphs:
@@ -148,7 +150,8 @@ class MemoryReport:
         return lo
 
     def to_dict(self) -> dict:
-        return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs]}
+        return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
+                "per_example": self.per_example}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -170,7 +173,7 @@ class MemoryReport:
         for g in data["graphs"]:
             g = dict(g, clusters=[ClusterRow(**c) for c in g["clusters"]])
             graphs.append(GraphReport(**g))
-        return cls(graphs)
+        return cls(graphs, per_example=data.get("per_example", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""

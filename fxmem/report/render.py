@@ -63,3 +63,21 @@ def plot(g: GraphReport, path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def per_example_lines(plans: list[dict]) -> list[str]:
+    """One paragraph per per-example region: how it was microbatched, or why it was not."""
+    out = []
+    for p in plans:
+        head = f"per-example region: batch {p['batch_size']}, microbatch_size={p['requested']!r}"
+        if not p["chunked"]:
+            out.append(f"{head}: not chunked ({p['reason']})")
+            continue
+        lines = [f"{head}: runs in chunks of {p['microbatch_size']}",
+                 f"  fused: {p['fused_sums']} clip-weighted batch sums as matvecs, "
+                 f"{p['fused_norms']} global norms without concatenation"]
+        if p["memory_budget"] is not None:
+            measured = ", ".join(f"m={m}: {b / 2**20:.1f} MiB" for m, b in sorted(p["measured"].items()))
+            lines.append(f"  budget {p['memory_budget'] / 2**20:.1f} MiB; measured step peaks {measured}")
+        out.append("\n".join(lines))
+    return out

@@ -1,0 +1,37 @@
+"""DP-SGD with fxmem: clipped per-example gradients compiled with microbatching, noise, accounting.
+
+    from fxmem.dpsgd import clipped_grad, make_functional, add_noise, PrivacyAccountant
+
+    fn, trainable, frozen = make_functional(model)               # only requires_grad params train
+    def loss_fn(trainable, frozen, x, y):                        # ONE example, no batch dim
+        return F.cross_entropy(fn(trainable, frozen, x[None]), y[None])
+
+    grad_fn = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(2, 3), microbatch_size=8)
+    acct = PrivacyAccountant("rdp")
+    for x, y in loader:                                          # Poisson-sampled batches
+        grads = add_noise(grad_fn(trainable, frozen, x, y), noise_multiplier=1.1, clipping_norm=1.0)
+        for k, p in trainable.items():
+            p.grad = grads[k] / expected_batch_size
+        opt.step()
+        acct.step(noise_multiplier=1.1, sample_rate=expected_batch_size / len(dataset))
+    acct.epsilon(delta=1e-5)
+
+Accounting needs ``opacus`` (the ``dpsgd`` extra).
+"""
+
+from .accounting import ACCOUNTANTS, PrivacyAccountant, epsilon, noise_multiplier_for
+from .clipping import ClippedGradFn, clip_factor, clipped_grad
+from .functional import make_functional
+from .noise import add_noise
+
+__all__ = [
+    "ACCOUNTANTS",
+    "ClippedGradFn",
+    "PrivacyAccountant",
+    "add_noise",
+    "clip_factor",
+    "clipped_grad",
+    "epsilon",
+    "make_functional",
+    "noise_multiplier_for",
+]

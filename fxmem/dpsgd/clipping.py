@@ -1,0 +1,319 @@
+"""``clipped_grad``: the sum of clipped per-example gradients, compiled with fxmem.
+
+    grad_fn = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), microbatch_size=8)
+    grads = grad_fn(params, x, y)          # same pytree as params: sum_i clip(grad loss_fn(params, x[i], y[i]))
+
+``loss_fn`` is a *per-example* loss: it is called on one example, without its batch dim (as in
+opake's ``clipped_grad`` and ``torch.func``'s per-sample-gradient recipe). The step that fxmem
+compiles is plain PyTorch::
+
+    g, losses = vmap(grad_and_value(loss_fn, argnums), in_dims=(None, 0, 0, ...))(*args)
+    norms     = sqrt(sum over leaves of vector_norm(g_leaf.reshape(B, -1), dim=1) ** 2)
+    factor    = (C' / norms).clamp(max=1)                      # C' = C less a few ULPs, see below
+    sums      = nan_to_num(g_leaf * factor.view(-1, 1, ...)).sum(0)   for every leaf
+
+so fxmem's per-example pass (``fxmem/per_example``) finds the ``vmap`` region and this epilogue
+(per-example norms and clip factors, then a sum over the batch) and runs them chunk by chunk when
+``microbatch_size`` is set: the ``[batch, *param]`` per-example gradients never exist at once.
+
+Clipping convention (opake's ``clip_pytree``): factor ``min(1, C / norm)`` with no additive
+epsilon; the ratio gives up a few float ULPs (the storage rounding of the product and the
+rounding of the norm's reduction) so that every stored clipped gradient has norm <= C, and a
+gradient of norm 0 is kept as it is. A per-example gradient with a non-finite value contributes
+zero (opake zeros the non-finite elements and clips the rest; both keep the sensitivity at C).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import types
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.func import grad_and_value, vmap
+from torch.utils import _pytree as pytree
+
+__all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+# --- argument checks (each error names the argument) ------------------------------------------
+
+
+def _argnums(value: Any, name: str) -> tuple[int, ...]:
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(items, (tuple, list)) or not items or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise ValueError(f"clipped_grad: {name} must be a non-negative int or a non-empty tuple of "
+                         f"them, got {value!r}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"clipped_grad: {name} has repeated positions: {value!r}")
+    return tuple(items)
+
+
+def _clipping_norm(value: Any, where: str = "clipped_grad") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{where}: clipping_norm must be a positive number (inf = no clipping), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _microbatch(value: Any) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"clipped_grad: microbatch_size must be None, a positive int or 'auto', "
+                         f"got {value!r}")
+    return value
+
+
+def _compile_options(microbatch_size, memory_budget, options) -> dict[str, Any]:
+    from ..options import parse_budget, parse_bytes, resolve
+
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"clipped_grad: options must be a dict of fxmem options, got {options!r}")
+    for key in ("microbatch_size", "memory_budget"):
+        if key in options:
+            raise ValueError(f"clipped_grad: pass {key} as clipped_grad's own argument, not in options")
+    if microbatch_size == "auto":
+        if memory_budget is None:
+            raise ValueError("clipped_grad: microbatch_size='auto' needs memory_budget (bytes, e.g. "
+                             "'128MB'): the largest microbatch whose step fits in it is chosen")
+        try:
+            parse_bytes(memory_budget, "memory_budget")
+        except ValueError as e:
+            raise ValueError(f"clipped_grad: {e}") from None
+    elif memory_budget is not None:
+        try:
+            parse_budget(memory_budget, "memory_budget")
+        except ValueError as e:
+            raise ValueError(f"clipped_grad: {e}") from None
+    merged = {**options, "microbatch_size": microbatch_size}
+    if memory_budget is not None:
+        merged["memory_budget"] = memory_budget
+    try:
+        resolve(merged)  # every option checked now, not at the first call
+    except ValueError as e:
+        raise ValueError(f"clipped_grad: {e}") from None
+    return merged
+
+
+# --- the clipping rule --------------------------------------------------------------------------
+
+
+def _guard(dtype: torch.dtype, numel: int) -> float:
+    """1 minus the relative error that storing ``g * factor`` and reducing the norm in ``dtype``
+    can make (opake's ``_guard_scale``): the product rounds once (eps), the norm's cascade
+    reduction over ``numel`` squares rounds ~log2(numel) times (eps/2 each), halved by the sqrt."""
+    eps = torch.finfo(dtype).eps
+    return 1.0 - eps - (math.log2(max(numel, 2)) + 1) * eps / 2
+
+
+def clip_factor(norms: torch.Tensor, clipping_norm: float, guard: float = 1.0) -> torch.Tensor:
+    """``min(1, guard * C / norm)`` per example; 1 where the norm is 0 (nothing to clip)."""
+    return ((clipping_norm * guard) / norms).clamp(max=1.0)
+
+
+def _sum_clipped(leaves: list[torch.Tensor], clipping_norm: float):
+    """Per-example norms, clip factors and the batch sums of the clipped leaves: the epilogue
+    that fxmem's per-example pass runs chunk by chunk. Plain ops only (reshape, vector_norm,
+    pointwise, view, mul, sum over dim 0), one leaf at a time: no ``[B, P]`` concatenation."""
+    batch = leaves[0].shape[0]
+    sq = None
+    for g in leaves:
+        n = torch.linalg.vector_norm(g.reshape(batch, -1), dim=1, dtype=torch.float32)
+        sq = n.square() if sq is None else sq + n.square()
+    norms = sq.sqrt()
+    dtype = torch.promote_types(leaves[0].dtype, torch.float32)
+    factor = clip_factor(norms, clipping_norm, _guard(leaves[0].dtype, sum(g[0].numel() for g in leaves)))
+    sums = []
+    for g in leaves:
+        scaled = g * factor.view(-1, *[1] * (g.dim() - 1)).to(g.dtype)
+        # A non-finite gradient has a non-finite norm: its factor is 0 or nan, and so is every
+        # element of its row after nan_to_num -- that example contributes nothing.
+        scaled = torch.nan_to_num(scaled, nan=0.0, posinf=0.0, neginf=0.0)
+        if g.dtype in _LOW_PRECISION:
+            sums.append(scaled.sum(0, dtype=dtype).to(g.dtype))
+        else:
+            sums.append(scaled.sum(0))
+    return sums, norms
+
+
+# --- the compiled step --------------------------------------------------------------------------
+
+
+def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...] | int,
+               batch_argnums: tuple[int, ...], return_norms: bool, return_losses: bool):
+    def clipped_grad_step(*args):
+        in_dims = tuple(0 if i in batch_argnums else None for i in range(len(args)))
+        g, losses = vmap(grad_and_value(loss_fn, argnums=argnums), in_dims=in_dims,
+                         randomness="different")(*args)
+        leaves, spec = pytree.tree_flatten(g)
+        sums, norms = _sum_clipped(leaves, clipping_norm)
+        out = (pytree.tree_unflatten(sums, spec),)
+        if return_norms:
+            out += (norms,)
+        if return_losses:
+            out += (losses,)
+        return out
+
+    # Dynamo keeps its compile cache and its recompile limit per *code object*: a fresh code
+    # object per clipped_grad keeps several of them (different models) from evicting each other
+    # and from sending each other to the eager fallback after `recompile_limit` compiles.
+    code = clipped_grad_step.__code__.replace()
+    return types.FunctionType(code, clipped_grad_step.__globals__, clipped_grad_step.__name__,
+                              clipped_grad_step.__defaults__, clipped_grad_step.__closure__)
+
+
+class ClippedGradFn:
+    """What :func:`clipped_grad` returns: ``fn(*args)`` -> grads, or a tuple ``(grads, norms?,
+    losses?)`` when ``return_norms``/``return_losses`` is set. ``compiled`` is the
+    ``torch.compile``d step (for ``fxmem.report``)."""
+
+    def __init__(self, loss_fn, clipping_norm, argnums, batch_argnums, microbatch_size,
+                 memory_budget, return_norms, return_losses, options):
+        self.loss_fn = loss_fn
+        self.clipping_norm = clipping_norm
+        self.argnums = argnums
+        self.batch_argnums = batch_argnums
+        self.microbatch_size = microbatch_size
+        self.memory_budget = memory_budget
+        self.return_norms = return_norms
+        self.return_losses = return_losses
+        self.options = options
+        grad_argnums = argnums[0] if len(argnums) == 1 else argnums
+        self._grad_argnums = grad_argnums
+        self._step = _make_step(loss_fn, clipping_norm, grad_argnums, batch_argnums,
+                                return_norms, return_losses)
+        self.compiled = torch.compile(self._step, backend="fxmem", options=options)
+        self._compiles_before: int | None = None
+
+    def __repr__(self) -> str:
+        return (f"ClippedGradFn(clipping_norm={self.clipping_norm}, argnums={self.argnums}, "
+                f"batch_argnums={self.batch_argnums}, microbatch_size={self.microbatch_size!r}, "
+                f"memory_budget={self.memory_budget!r})")
+
+    def batch_size(self, args: Sequence[Any]) -> int:
+        """The batch size of ``args`` (the size of dim 0 shared by every batch argument)."""
+        need = max(self.argnums + self.batch_argnums) + 1
+        if len(args) < need:
+            raise ValueError(f"clipped_grad: got {len(args)} positional arguments; argnums="
+                             f"{self.argnums} and batch_argnums={self.batch_argnums} need at least {need}")
+        sizes = {}
+        for i in self.batch_argnums:
+            leaves = [t for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
+            if not leaves:
+                raise ValueError(f"clipped_grad: batch argument {i} (batch_argnums) holds no tensor")
+            for t in leaves:
+                if t.dim() == 0:
+                    raise ValueError(f"clipped_grad: batch argument {i} (batch_argnums) has a 0-dim "
+                                     "tensor; every batch tensor needs the batch as dim 0")
+                sizes.setdefault(t.shape[0], []).append(i)
+        if len(sizes) != 1:
+            detail = "; ".join(f"size {b}: argument(s) {sorted(set(ix))}" for b, ix in sizes.items())
+            raise ValueError(f"clipped_grad: batch arguments (batch_argnums={self.batch_argnums}) "
+                             f"have different batch sizes (dim 0): {detail}")
+        return next(iter(sizes))
+
+    def __call__(self, *args):
+        batch = self.batch_size(args)
+        if batch == 0:
+            return self._empty(args)
+        if self._compiles_before is None:
+            from ..backend import COMPILES
+            self._compiles_before = len(COMPILES)
+        # The result is a clipped gradient, not something to differentiate again: running the
+        # compiled step without autograd tracking gives AOTAutograd a forward-only graph.
+        with torch.no_grad():
+            out = self.compiled(*args)
+        if not self.return_norms and not self.return_losses:
+            return out[0]
+        return out
+
+    def _empty(self, args):
+        diff = args[self._grad_argnums] if isinstance(self._grad_argnums, int) else \
+            tuple(args[i] for i in self._grad_argnums)
+        grads = pytree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, diff)
+        if not self.return_norms and not self.return_losses:
+            return grads
+        ref = next(t for i in self.batch_argnums for t in pytree.tree_leaves(args[i])
+                   if isinstance(t, torch.Tensor))
+        empty = torch.zeros(0, device=ref.device)
+        return (grads,) + (empty,) * (int(self.return_norms) + int(self.return_losses))
+
+    def chosen_microbatch_size(self) -> int | None:
+        """The microbatch size the backend ran with (``"auto"`` resolves to a number), or None
+        when the backend has not reported one (no per-example region chunked yet)."""
+        # TODO(per-example backend): read the chosen m from the backend's record of this
+        # compile. Assumed: each partitioner / record fxmem made for this step carries
+        # ``microbatch_size`` (int) once fxmem/per_example chunks a region.
+        if self._compiles_before is None:
+            return None
+        from ..backend import COMPILES
+
+        for p in reversed(COMPILES[self._compiles_before:]):
+            for obj in (p, *getattr(p, "records", ())):
+                for holder in (obj, getattr(obj, "report", None)):
+                    m = getattr(holder, "microbatch_size", None)
+                    if isinstance(m, int) and not isinstance(m, bool):
+                        return m
+        return None
+
+
+def clipped_grad(
+    loss_fn: Callable[..., torch.Tensor],
+    clipping_norm: float,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    argnums: int | Sequence[int] = 0,
+    microbatch_size: int | str | None = None,
+    memory_budget: int | str | None = None,
+    return_norms: bool = False,
+    return_losses: bool = False,
+    options: Mapping[str, Any] | None = None,
+) -> ClippedGradFn:
+    """A function of ``loss_fn``'s arguments that returns the sum over the batch of the clipped
+    per-example gradients of ``loss_fn`` with respect to ``args[argnums]``.
+
+    Args:
+        loss_fn: per-example loss, ``loss_fn(*args) -> scalar``, called on ONE example: the
+            arguments at ``batch_argnums`` without their batch dim.
+        clipping_norm: C, the L2 bound of every per-example gradient (over all differentiated
+            arguments together): the sum's sensitivity to adding or removing one example.
+        batch_argnums: positions of the arguments that carry the batch as dim 0 (tensors or
+            pytrees of tensors, all with the same batch size).
+        argnums: positions of the arguments to differentiate (no batch dim). An int gives grads
+            in that argument's pytree; a tuple gives a tuple of them.
+        microbatch_size: None (whole batch at once), a positive int m (fxmem runs the per-example
+            region and its clipping in chunks of m examples, the last one smaller), or "auto"
+            (the largest m whose step fits in ``memory_budget``).
+        memory_budget: bytes (int, or "128MB", "1GiB"); required with "auto".
+        return_norms: also return the per-example gradient norms before clipping, shape [B].
+        return_losses: also return the per-example losses, shape [B].
+        options: more fxmem options (``{"inner": "eager"}``, ``level``, ...).
+
+    Returns:
+        A :class:`ClippedGradFn` ``fn(*args)``: grads, or ``(grads, norms)``, ``(grads, losses)``
+        or ``(grads, norms, losses)``. It runs without autograd tracking. Dropout inside
+        ``loss_fn`` draws independently per example (``vmap(randomness="different")``).
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"clipped_grad: loss_fn must be callable, got {loss_fn!r}")
+    C = _clipping_norm(clipping_norm)
+    argnums_t = _argnums(argnums, "argnums")
+    batch_t = _argnums(batch_argnums, "batch_argnums")
+    overlap = set(argnums_t) & set(batch_t)
+    if overlap:
+        raise ValueError(f"clipped_grad: argnums={argnums!r} and batch_argnums={batch_argnums!r} "
+                         f"overlap at {sorted(overlap)}: differentiated arguments have no batch dim")
+    mb = _microbatch(microbatch_size)
+    for name, flag in (("return_norms", return_norms), ("return_losses", return_losses)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"clipped_grad: {name} must be True or False, got {flag!r}")
+    opts = _compile_options(mb, memory_budget, options)
+    return ClippedGradFn(loss_fn, C, argnums_t, batch_t, mb, memory_budget, return_norms,
+                         return_losses, opts)
