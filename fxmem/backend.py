@@ -11,6 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from . import inner, per_example
 from .options import OptionError, Options, resolve
+from .per_example.remat import compile_chunk
 from .remat.partition import Partitioner
 
 
@@ -26,8 +27,8 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
         opts = resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
-    chunked = per_example.compile_chunked(gm, example_inputs, opts, lambda g, ins: _compile(g, ins, opts),
-                                          lambda g, ins: _compile(g, ins, replace(opts, inner="eager")))
+    chunked = per_example.compile_chunked(gm, example_inputs, opts, lambda g, ins: compile_chunk(g, ins, opts),
+                                          lambda g, ins: compile_chunk(g, ins, replace(opts, inner="eager")))
     return chunked if chunked is not None else _compile(gm, example_inputs, opts)
 
 

@@ -189,3 +189,21 @@ def test_report_lists_the_microbatching_decision():
     assert f"{len(params)} clip-weighted batch sums as matvecs, 1 global norms" in text
     again = type(rep).from_json(rep.to_json())
     assert again.per_example[-1]["microbatch_size"] == 2
+
+
+@pytest.mark.parametrize("options", [{"level": 0}, {"level": 1}, {"level": 2},
+                                     {"microbatch_size": "auto", "memory_budget": 10**6}])
+def test_recompute_planner_runs_inside_the_chunk_graph(options):
+    from fxmem.backend import COMPILES
+
+    model = _model()
+    params, (x, y) = _params(model), _data(6)
+    before = len(COMPILES)
+    sums, norms = _run(_step(model), params, x, y, **{"microbatch_size": 4, **options})
+    plans = [r.plan for p in COMPILES[before:] for r in p.records]
+    assert plans and all(p.level == options.get("level", 0) for p in plans)
+    assert sum(len(r.split.recomputed) for p in COMPILES[before:] for r in p.records) > 0
+    ref_sums, ref_norms = _loop(model, params, x, y)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)
