@@ -1,0 +1,392 @@
+"""fxmem.dpsgd: clipped per-example gradient sums against an explicit per-example loop, for every
+microbatch size; HF models; make_functional; noise; accounting against opacus; the sensitivity
+property; argument errors. Every compile uses the eager inner compiler (Inductor: 30-60 s each)."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch.func import grad
+
+from fxmem.dpsgd import (PrivacyAccountant, add_noise, clipped_grad, epsilon, make_functional,
+                         noise_multiplier_for)
+
+EAGER = {"inner": "eager"}
+RTOL = 1e-5
+
+
+def _load_bench_models():
+    path = Path(__file__).resolve().parents[1] / "bench" / "dpsgd_models.py"
+    spec = importlib.util.spec_from_file_location("_bench_dpsgd_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+models = _load_bench_models()
+
+
+# --- the reference: an explicit per-example Python loop ---------------------------------------
+
+
+def reference(loss_fn, C, args, batch_argnums, argnum=0):
+    """sum_i min(1, C / ||g_i||) g_i, with g_i = grad(loss_fn)(args at example i); norms; losses."""
+    B = args[batch_argnums[0]].shape[0]
+    total, norms, losses = None, [], []
+    for i in range(B):
+        one = [a[i] if k in batch_argnums else a for k, a in enumerate(args)]
+        g = grad(loss_fn, argnums=argnum)(*one)
+        losses.append(loss_fn(*one).detach())
+        norm = torch.sqrt(sum((v.double() ** 2).sum() for v in g.values())).float()
+        factor = min(1.0, C / norm.item())
+        total = {k: v * factor for k, v in g.items()} if total is None else \
+            {k: total[k] + v * factor for k, v in g.items()}
+        norms.append(norm)
+    return total, torch.stack(norms), torch.stack(losses)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_grads_close(got, want, rtol=RTOL):
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        assert rel_err(got[k], want[k]) <= rtol, f"{k}: relative error {rel_err(got[k], want[k]):.2e}"
+
+
+def l2(tree) -> float:
+    return math.sqrt(sum((v.double() ** 2).sum().item() for v in tree.values()))
+
+
+# --- a tiny plain GPT, every microbatch size --------------------------------------------------
+
+B_GPT = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    model, params, ids, labels = models.gpt(vocab=32, d=8, layers=1, heads=2, seq=4, batch=B_GPT)
+    loss = models.per_example_loss(model)
+    norms = reference(loss, 1.0, (params, ids, labels), (1, 2))[1]
+    C = round(norms.median().item(), 4)  # some examples clipped, some not
+    want = reference(loss, C, (params, ids, labels), (1, 2))
+    assert (want[1] > C).any() and (want[1] < C).any()
+    return loss, C, params, ids, labels, want
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 1, 3, 8, B_GPT])
+def test_gpt_clipped_sum_matches_loop(tiny_gpt, microbatch_size):
+    loss, C, params, ids, labels, (want, want_norms, want_losses) = tiny_gpt
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=microbatch_size,
+                      return_norms=True, return_losses=True, options=EAGER)
+    grads, norms, losses = fn(params, ids, labels)
+    assert_grads_close(grads, want)
+    assert norms.shape == losses.shape == (B_GPT,)
+    assert rel_err(norms, want_norms) <= RTOL
+    assert rel_err(losses, want_losses) <= RTOL
+    again = fn(params, ids, labels)[0]  # second call: the compiled graph, no recompile
+    assert_grads_close(again, want)
+    assert fn.chosen_microbatch_size() == (None if microbatch_size is None else microbatch_size), fn.plans
+
+
+def test_same_sums_as_opake(tiny_gpt):
+    """opake's clipped_grad (the semantics fxmem.dpsgd follows) gives the reference's sums."""
+    opake_clipping = pytest.importorskip("opake.dpsgd.clipping")
+    loss, C, params, ids, labels, (want, _, _) = tiny_gpt
+    fn, state = opake_clipping.clipped_grad(loss, clipping_norm=C, batch_argnums=(1, 2), microbatch_size=4)
+    out, _ = fn(params, ids, labels, state=state)
+    assert_grads_close(out.pytree, want)
+
+
+def test_nonfinite_gradient_elements_count_as_zero():
+    def loss(p, x):
+        return (p["w"] * x).sum() + (p["b"] * x.sum()).sum()  # grad wrt w is x: nan/inf pass through
+
+    x = torch.tensor([[1.0, 2.0, 2.0], [float("nan"), 3.0, 4.0], [float("inf"), 0.0, 0.0], [0.1, 0.1, 0.1]])
+    p = {"w": torch.ones(3), "b": torch.ones(2)}
+    grads, norms = clipped_grad(loss, 1.0, microbatch_size=2, return_norms=True, options=EAGER)(p, x)
+    def clean(t):
+        return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+    g_w, g_b = clean(x), clean(x.sum(1))[:, None].expand(4, 2)  # elementwise: each leaf's own
+    want_norms = torch.sqrt((g_w ** 2).sum(1) + (g_b ** 2).sum(1))
+    factor = (1.0 / want_norms).clamp(max=1.0)
+    assert torch.isfinite(grads["w"]).all() and torch.isfinite(grads["b"]).all()
+    assert rel_err(norms, want_norms) <= RTOL
+    assert rel_err(grads["w"], (g_w * factor[:, None]).sum(0)) <= RTOL
+    assert rel_err(grads["b"], (g_b * factor[:, None]).sum(0)) <= RTOL
+
+
+def test_bfloat16_params_sum_in_float32():
+    torch.manual_seed(0)
+    p32 = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+
+    def loss(p, x, y):
+        return ((x @ p["w"] + p["b"] - y) ** 2).sum()
+
+    p16 = {k: v.bfloat16() for k, v in p32.items()}
+    grads = clipped_grad(loss, 2.0, batch_argnums=(1, 2), microbatch_size=4, options=EAGER)(
+        p16, x.bfloat16(), y.bfloat16())
+    want, _, _ = reference(loss, 2.0, ({k: v.float() for k, v in p16.items()}, x.bfloat16().float(),
+                                       y.bfloat16().float()), (1, 2))
+    assert all(g.dtype == torch.bfloat16 for g in grads.values())
+    assert_grads_close({k: v.float() for k, v in grads.items()}, want, rtol=2e-2)
+
+
+def test_return_flags_and_empty_batch(tiny_gpt):
+    loss, C, params, ids, labels, (want, want_norms, _) = tiny_gpt
+    only = clipped_grad(loss, C, batch_argnums=(1, 2), options=EAGER)
+    assert isinstance(only(params, ids[:0], labels[:0]), dict)  # empty batch: zeros, no compile
+    assert all((v == 0).all() for v in only(params, ids[:0], labels[:0]).values())
+    g, n = clipped_grad(loss, C, batch_argnums=(1, 2), return_norms=True, options=EAGER)(
+        params, ids[:0], labels[:0])
+    assert n.shape == (0,) and set(g) == set(params)
+
+
+# --- Hugging Face models from configs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("builder", ["hf_gpt2", "hf_llama"])
+def test_hf_models_through_functional_call(builder):
+    from fxmem.models import build
+
+    w = build(builder, batch=4, seq=6, vocab=48, d=16, layers=1, heads=2)
+    model = w.model
+    model.set_attn_implementation("eager")  # vmap has batching rules for eager attention's ops
+    fn, trainable, frozen = make_functional(model)
+
+    def loss(tr, fr, ids, labels):
+        return fn(tr, fr, input_ids=ids[None], labels=labels[None]).loss
+
+    ids, labels = w.batch["input_ids"], w.batch["labels"]
+    C = 1.5
+    want, want_norms, _ = reference(loss, C, (trainable, frozen, ids, labels), (2, 3))
+    clipped = clipped_grad(loss, C, batch_argnums=(2, 3), microbatch_size=2, return_norms=True,
+                           options=EAGER)
+    grads, norms = clipped(trainable, frozen, ids, labels)
+    assert clipped.chosen_microbatch_size() == 2, clipped.plans
+    assert_grads_close(grads, want)
+    assert rel_err(norms, want_norms) <= RTOL
+
+
+# --- make_functional --------------------------------------------------------------------------
+
+
+class LoRALinear(torch.nn.Module):
+    def __init__(self, d_in, d_out, r=2):
+        super().__init__()
+        self.base = torch.nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(d_in, r) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(r, d_out) * 0.3)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.base(x) + self.scale * (x @ self.a @ self.b)
+
+
+def test_make_functional_partitions_trainable_and_frozen():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(LoRALinear(5, 4), torch.nn.Tanh(), LoRALinear(4, 3))
+    fn, trainable, frozen = make_functional(model)
+    assert set(trainable) == {"0.a", "0.b", "2.a", "2.b"}
+    assert set(frozen) == {"0.base.weight", "0.base.bias", "2.base.weight", "2.base.bias",
+                           "0.scale", "2.scale"}
+    assert trainable["0.a"] is model[0].a  # the module's own tensors, not copies
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(fn(trainable, frozen, x), model(x))
+
+    _, all_tr, buffers = make_functional(model, partition_trainable=False)
+    assert set(all_tr) == {n for n, _ in model.named_parameters()}
+    assert set(buffers) == {"0.scale", "2.scale"}
+
+    y = torch.randint(0, 3, (7,))
+
+    def loss(tr, fr, x, y):
+        return torch.nn.functional.cross_entropy(fn(tr, fr, x[None]), y[None])
+
+    want, _, _ = reference(loss, 0.2, (trainable, frozen, x, y), (2, 3))
+    grads = clipped_grad(loss, 0.2, batch_argnums=(2, 3), microbatch_size=4, options=EAGER)(
+        trainable, frozen, x, y)
+    assert set(grads) == set(trainable)  # per-example gradients for the adapters only
+    assert_grads_close(grads, want)
+
+
+# --- noise ------------------------------------------------------------------------------------
+
+
+def test_add_noise_statistics_and_reproducibility():
+    grads = {"w": torch.zeros(1000, 1000), "b": torch.full((3,), 2.0)}
+    sigma, C = 1.3, 0.7
+    noisy = add_noise(grads, sigma, C, generator=torch.Generator().manual_seed(1))
+    assert set(noisy) == {"w", "b"} and noisy["w"].shape == (1000, 1000)
+    assert (grads["w"] == 0).all()  # not modified in place
+    std = noisy["w"].std().item()
+    assert abs(std - sigma * C) / (sigma * C) < 0.01
+    assert abs(noisy["w"].mean().item()) < 0.01 * sigma * C
+    same = add_noise(grads, sigma, C, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(noisy[k], same[k]) for k in grads)
+    other = add_noise(grads, sigma, C, generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(noisy["w"], other["w"])
+    zero = add_noise(grads, 0.0, C)
+    assert all(torch.equal(zero[k], grads[k]) for k in grads)
+    half = add_noise({"h": torch.zeros(10_000, dtype=torch.bfloat16)}, 1.0, 1.0)["h"]
+    assert half.dtype == torch.bfloat16 and abs(half.float().std().item() - 1.0) < 0.05
+
+
+# --- accounting -------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")
+def test_accounting_matches_opacus():
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    sigma, q, steps, delta = 1.1, 0.01, 500, 1e-5
+    rdp = RDPAccountant()
+    for _ in range(steps):
+        rdp.step(noise_multiplier=sigma, sample_rate=q)
+    assert epsilon(sigma, q, steps, delta) == pytest.approx(rdp.get_epsilon(delta), rel=1e-12)
+
+    acct = PrivacyAccountant("rdp")
+    assert acct.epsilon(delta) == 0.0
+    for _ in range(steps):
+        acct.step(sigma, q)
+    assert acct.steps == steps
+    assert acct.epsilon(delta) == pytest.approx(rdp.get_epsilon(delta), rel=1e-12)
+
+    prv = PRVAccountant()
+    prv.history = [(sigma, q, steps)]
+    assert epsilon(sigma, q, steps, delta, accountant="prv") == pytest.approx(prv.get_epsilon(delta), rel=1e-9)
+
+    eps = [epsilon(s, q, steps, delta) for s in (0.7, 1.0, 1.5, 3.0)]
+    assert all(a > b for a, b in zip(eps, eps[1:]))  # more noise, less epsilon
+
+    sigma_for_2 = noise_multiplier_for(2.0, delta, q, steps)
+    assert epsilon(sigma_for_2, q, steps, delta) <= 2.0
+    assert epsilon(sigma_for_2 * 0.95, q, steps, delta) > 2.0 * 0.98
+
+
+# --- the sensitivity property -----------------------------------------------------------------
+
+
+def _mlp_loss(p, x, y, keep):
+    """Squared error of an MLP of any depth (from the params); ``keep`` 0 removes the example:
+    its gradient is exactly 0, so it adds nothing (add/remove adjacency at a fixed shape)."""
+    h = x
+    for i in range(len(p) // 2):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        if i < len(p) // 2 - 1:
+            h = torch.tanh(h)
+    return ((h - y) ** 2).sum() * keep
+
+
+_PROPERTY_FN = {}
+# Shapes stay fixed per depth: a batch size or width that changes between calls makes Dynamo
+# compile a dynamic graph (a symbolic batch size is not chunked). Weights, data, scale and depth
+# are random.
+B_PROP = 5
+WIDTHS = {1: [3, 4], 2: [3, 4, 4]}
+
+
+@st.composite
+def sensitivity_cases(draw):
+    widths = WIDTHS[draw(st.sampled_from([1, 2]))]
+    scale = draw(st.sampled_from([0.02, 1.0, 30.0]))  # all unclipped, mixed, all clipped
+    return widths, scale, draw(st.integers(0, B_PROP - 1)), draw(st.integers(0, 2**31 - 1))
+
+
+@given(sensitivity_cases())
+def test_one_example_moves_the_sum_by_at_most_C(case):
+    widths, scale, i, seed = case
+    C = 1.0
+    if "fn" not in _PROPERTY_FN:  # one compiled function for every example
+        _PROPERTY_FN["fn"] = clipped_grad(_mlp_loss, C, batch_argnums=(1, 2, 3), microbatch_size=2,
+                                          options=EAGER)
+    fn = _PROPERTY_FN["fn"]
+    g = torch.Generator().manual_seed(seed)
+    p = {}
+    for k in range(len(widths) - 1):
+        p[f"w{k}"] = torch.randn(widths[k], widths[k + 1], generator=g) * scale
+        p[f"b{k}"] = torch.randn(widths[k + 1], generator=g) * scale
+    x = torch.randn(B_PROP, widths[0], generator=g) * scale
+    y = torch.randn(B_PROP, widths[-1], generator=g)
+    keep = torch.ones(B_PROP)
+    full = fn(p, x, y, keep)
+    keep_i = keep.clone()
+    keep_i[i] = 0.0
+    removed = fn(p, x, y, keep_i)  # add/remove one example: sensitivity C
+    diff = l2({k: full[k] - removed[k] for k in full})
+    assert diff <= C * (1 + 1e-5), diff
+    x2, y2 = x.clone(), y.clone()
+    x2[i] = torch.randn(widths[0], generator=g) * scale * 10
+    y2[i] = -y[i]
+    replaced = fn(p, x2, y2, keep)  # replace one example: at most 2C
+    assert l2({k: full[k] - replaced[k] for k in full}) <= 2 * C * (1 + 1e-5)
+    assert fn.chosen_microbatch_size() == 2, fn.plans[-1]
+
+
+# --- argument errors name the argument --------------------------------------------------------
+
+
+def _loss(p, x):
+    return (p["w"] * x).sum()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(clipping_norm=0.0), "clipping_norm"),
+    (dict(clipping_norm=-1.0), "clipping_norm"),
+    (dict(clipping_norm=float("nan")), "clipping_norm"),
+    (dict(clipping_norm="1"), "clipping_norm"),
+    (dict(microbatch_size=0), "microbatch_size"),
+    (dict(microbatch_size=-3), "microbatch_size"),
+    (dict(microbatch_size=2.5), "microbatch_size"),
+    (dict(microbatch_size=True), "microbatch_size"),
+    (dict(microbatch_size="big"), "microbatch_size"),
+    (dict(microbatch_size="auto"), "memory_budget"),
+    (dict(microbatch_size="auto", memory_budget="lots"), "memory_budget"),
+    (dict(microbatch_size="auto", memory_budget=0.5), "memory_budget"),
+    (dict(batch_argnums=0), "batch_argnums"),
+    (dict(batch_argnums=()), "batch_argnums"),
+    (dict(argnums=-1), "argnums"),
+    (dict(return_norms=1), "return_norms"),
+    (dict(options={"microbatch_size": 2}), "microbatch_size"),
+    (dict(options={"bogus": 1}), "bogus"),
+    (dict(options={"inner": "tvm"}), "inner"),
+])
+def test_bad_arguments_raise_naming_them(kwargs, name):
+    kwargs = {"clipping_norm": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        clipped_grad(_loss, **kwargs)
+
+
+def test_bad_call_arguments_raise_naming_them():
+    fn = clipped_grad(lambda p, x, y: (p["w"] * x).sum() * y, 1.0, batch_argnums=(1, 2), options=EAGER)
+    p = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match="batch_argnums"):
+        fn(p, torch.ones(4, 3), torch.ones(5))
+    with pytest.raises(ValueError, match="batch_argnums"):
+        fn(p, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        add_noise(p, -1.0, 1.0)
+    with pytest.raises(ValueError, match="clipping_norm"):
+        add_noise(p, 1.0, 0.0)
+    with pytest.raises(ValueError, match="generator"):
+        add_noise(p, 1.0, 1.0, generator=1)
+    with pytest.raises(ValueError, match="accountant"):
+        epsilon(1.0, 0.01, 10, 1e-5, accountant="moments")
+    with pytest.raises(ValueError, match="delta"):
+        epsilon(1.0, 0.01, 10, 0.0)
+    with pytest.raises(ValueError, match="sample_rate"):
+        PrivacyAccountant().step(1.0, 1.5)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        PrivacyAccountant().step(0.0, 0.1)
+    with pytest.raises(ValueError, match="model"):
+        make_functional(lambda x: x)
