@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fxmem.graph.joint import JointGraph, is_multi_output
 from fxmem.remat.split import InvalidSavedSet, split
-from strategies import D, program_inputs, programs, run_program
+from fxmem.testing.programs import D, program_inputs, programs, run_program
 
 
 def _joint_and_split(fn, inputs, choose):

@@ -16,6 +16,7 @@ from ..graph.joint import JointGraph
 from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
+from ..fallback import stage_failed
 from ..options import Options
 from .compromise import pack_masks
 from .plan import Plan, plan
@@ -47,17 +48,31 @@ class Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         joint = JointGraph.of(gm, num_fwd_outputs)
-        if self.options.level == 2 and pack_masks(joint):
-            joint = JointGraph.of(gm, num_fwd_outputs)  # regions changed
-        sizes = SymbolicSizes.of(gm, self.options.plan_shape)
-        chosen = plan(joint, sizes, self.options)
-        result = split(joint, chosen.saved)
+        try:
+            if self.options.level == 2 and pack_masks(joint):
+                joint = JointGraph.of(gm, num_fwd_outputs)  # regions changed
+            sizes = SymbolicSizes.of(gm, self.options.plan_shape)
+            chosen = plan(joint, sizes, self.options)
+        except Exception as e:  # noqa: BLE001 - the failure policy decides
+            stage_failed("plan", e, self.options)
+            return self._safe(joint)
+        try:
+            result = split(joint, chosen.saved)
+        except Exception as e:  # noqa: BLE001
+            stage_failed("split", e, self.options)
+            return self._safe(joint)
         if self.options.inner == "eager":  # what the eager inner compiler will run: report exactly that
             reuse_dead_buffers(result.fw)
             reuse_dead_buffers(result.bw)
         root = storage_roots(gm)  # inputs, and kept views of inputs, exist before the step
         primals = set(joint.primals)
         self._record(chosen, result, sizes, {n.name for n in root if root[n] in primals})
+        return result.fw, result.bw
+
+    @staticmethod
+    def _safe(joint: JointGraph):
+        """The safe plan: keep every forward value the backward reads (a plain partition)."""
+        result = split(joint, joint.default_saved())
         return result.fw, result.bw
 
     def _record(self, chosen: Plan, result: Split, sizes: SymbolicSizes, primal_names: set[str]) -> None:

@@ -12,7 +12,7 @@ from fxmem.inner import eager
 from fxmem.options import resolve
 from fxmem.remat.partition import Partitioner
 from fxmem.remat.plan import BudgetError
-from strategies import program_inputs, programs, run_program
+from fxmem.testing.programs import program_inputs, programs, run_program
 
 
 @st.composite

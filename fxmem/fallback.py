@@ -1,0 +1,35 @@
+"""The failure policy: a stage of fxmem that raises on a graph must not break training.
+
+Outside ``strict`` mode, a failing stage gives one warning naming the stage and the reason, and
+the graph falls back to a safe plan (the stage is skipped: save everything, no lowering, no
+chunking). Errors in what the user asked for (bad options, an infeasible budget) are not stage
+failures: they always raise.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+from torch._dynamo.exc import RestartAnalysis, SkipFrame
+
+from .options import OptionError
+
+# The user's errors, and Dynamo's control flow (it restarts or skips a frame by raising).
+_NOT_FAILURES = (OptionError, RestartAnalysis, SkipFrame)
+
+log = logging.getLogger("fxmem")
+
+STAGES = ("per_example", "lowering", "plan", "split", "compile")
+
+
+def stage_failed(stage: str, error: BaseException, options) -> None:
+    """Re-raise ``error`` under ``strict`` (or when it is the user's error); otherwise warn once
+    with the stage and the reason, and let the caller take its safe path."""
+    assert stage in STAGES, stage
+    if options.strict or isinstance(error, _NOT_FAILURES):
+        raise error
+    msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {error}); falling back to a safe "
+           "plan for this graph (save everything, no lowering, no chunking). Pass "
+           "options={'strict': True} to raise instead.")
+    log.warning("%s", msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

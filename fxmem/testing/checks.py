@@ -1,0 +1,139 @@
+"""Equivalence checks for users' own models: fxmem's training step against a reference."""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+
+@dataclass
+class StepCheck:
+    """What :func:`assert_same_training_step` compared (for further assertions)."""
+    loss: float
+    max_grad_rel_err: float
+    planned_saved_bytes: list[int] = field(default_factory=list)
+    held_bytes: int | None = None
+    graphs: int = 0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.detach().abs().max().clamp_min(1e-12)
+    return ((a.detach() - b.detach()).abs().max() / scale).item()
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", out)
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise ValueError("assert_same_training_step: the model must return a scalar loss "
+                         f"(or an object with .loss), got {type(out).__name__}")
+    return loss
+
+
+def _step(model, inputs, seed):
+    torch.manual_seed(seed)
+    loss = _loss(model(**inputs))
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss, grads
+
+
+def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
+                              options: Mapping[str, Any] | None = None, *, rtol: float = 1e-5,
+                              atol: float = 1e-7, reference: str = "eager", dynamic: bool = False,
+                              seed: int = 0, check_saved_bytes: bool = True,
+                              reset: bool = True) -> StepCheck:
+    """Compile a copy of ``model`` with fxmem, run one forward + backward on ``inputs`` and assert
+    that loss and every parameter gradient equal ``reference``'s: ``"eager"``, or
+    ``"unoptimized"``, the same graph (with the same pattern lowering, so that random ops draw
+    the same numbers) split without any recompute: use it with dropout, since a compiled graph
+    draws its random numbers differently from eager. ``reset`` clears Dynamo's caches first (repeated checks of one
+    model class would otherwise hit Dynamo's recompile limit and silently run eagerly). Also checks the report's claim: the saved bytes each plan
+    predicts (its formula evaluated at this run's shape) equal the bytes autograd actually held
+    between forward and backward. ``options`` default to the eager inner compiler (fast)."""
+    from ..backend import COMPILES
+
+    options = {"inner": "eager", **dict(options or {})}
+    ref_model, test_model = copy.deepcopy(model), copy.deepcopy(model)
+    if reference not in ("eager", "unoptimized"):
+        raise ValueError(f"reference must be 'eager' or 'unoptimized', got {reference!r}")
+    if reset:
+        torch._dynamo.reset()
+    ref_fn = ref_model if reference == "eager" else torch.compile(ref_model, backend=_unoptimized(options))
+    ref_loss, ref_grads = _step(ref_fn, inputs, seed)
+
+    if reset:
+        torch._dynamo.reset()
+    before = len(COMPILES)
+    compiled = torch.compile(test_model, backend="fxmem", options=options, dynamic=dynamic)
+    keep = {t.untyped_storage().data_ptr() for t in [*test_model.parameters(), *test_model.buffers()]}
+    keep |= {t.untyped_storage().data_ptr() for t in inputs.values() if isinstance(t, torch.Tensor)}
+    held: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in keep:
+            held[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, grads = _step(compiled, inputs, seed)
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol,
+                               msg=lambda m: f"fxmem changed the loss: {m}")
+    worst = 0.0
+    names = [n for n, p in test_model.named_parameters() if p.requires_grad]
+    for name, g, r in zip(names, grads, ref_grads):
+        if (g is None) != (r is None):
+            raise AssertionError(f"{name}: gradient is {'missing' if g is None else 'present'} "
+                                 "under fxmem but not in the reference")
+        if g is not None:
+            torch.testing.assert_close(g, r, rtol=rtol, atol=atol,
+                                       msg=lambda m, name=name: f"fxmem changed the gradient of {name}: {m}")
+            worst = max(worst, _rel(g, r))
+    records = [r for p in COMPILES[before:] for r in p.records]  # none for a graph that fell back
+    if len(COMPILES) == before:
+        raise AssertionError("fxmem compiled no training graph for this model (Dynamo fell back to "
+                             "eager: recompile limit, or a graph break before any tensor op?)")
+    check = StepCheck(loss.item(), worst, graphs=len(records))
+    shapes = {k: tuple(v.shape) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    for r in records:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            named = {n.split(".size")[0] for n in r.report.symbols.values()}
+            check.planned_saved_bytes.append(
+                r.report.evaluate(r.report.saved_expr, **{k: v for k, v in shapes.items() if k in named})
+                if dynamic else r.plan.saved_bytes)
+    check.held_bytes = sum(held.values())
+    if check_saved_bytes and len(records) == 1:
+        assert check.held_bytes == check.planned_saved_bytes[0], (
+            f"the plan says {check.planned_saved_bytes[0]} bytes are kept for backward; "
+            f"autograd held {check.held_bytes}")
+    return check
+
+
+def _unoptimized(options: Mapping[str, Any]):
+    """A backend that lowers patterns as fxmem would with ``options`` and then splits the joint
+    graph as a plain partition would (keep everything the backward reads), through fxmem's own
+    split and the eager inner compiler: fxmem without its recompute planner."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from .. import lowering
+    from ..graph.joint import JointGraph
+    from ..inner import eager
+    from ..options import resolve
+    from ..remat.split import split
+
+    opts = resolve(dict(options))
+
+    def partition(gm, _inputs, *, num_fwd_outputs, **_):
+        joint = JointGraph.of(gm, num_fwd_outputs)
+        result = split(joint, joint.default_saved())
+        return result.fw, result.bw
+
+    def backend(gm, example_inputs):
+        gm, _ = lowering.lower(gm, example_inputs, opts)
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
+
+    return backend
