@@ -207,3 +207,20 @@ def test_recompute_planner_runs_inside_the_chunk_graph(options):
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
     for k in params:
         torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)
+
+
+def test_varying_batch_sizes_keep_chunking():
+    """Poisson-sampled DP-SGD: every step has another batch size. Dynamo's dynamic recompile
+    makes the batch symbolic; the chunked path must survive it and stay exact."""
+    model = _model()
+    params = _params(model)
+    fn = torch.compile(_step(model), backend="fxmem", options={"inner": "eager", "microbatch_size": 2})
+    for batch in (6, 7, 9, 4):
+        x, y = _data(batch)
+        with torch.no_grad():
+            sums, norms = fn(params, x, y)
+        assert per_example.PLANS[-1].chunked, per_example.PLANS[-1].reason
+        ref_sums, ref_norms = _loop(model, params, x, y)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
+        for k in params:
+            torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)

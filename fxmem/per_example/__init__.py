@@ -33,7 +33,8 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
         if not regions:
             return None
         PLANS.append(plan)
-        plan.batch_size = batch = regions[0].batch_size
+        batch = regions[0].batch_size
+        plan.batch_size = batch if isinstance(batch, int) else _hint(batch)
         if len(regions) > 1:
             raise Unsupported(f"{len(regions)} vmap regions in one graph; only one is chunked")
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
@@ -46,7 +47,7 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
                                  f"(an int or a string such as '128MB'), got {options.memory_budget!r}")
             plan.memory_budget = options.memory_budget
         else:
-            plan.microbatch_size = min(options.microbatch_size, batch)
+            plan.microbatch_size = options.microbatch_size
         parts = split(gm, regions[0])
         plan.fused_sums = parts.fused_sums
     except Unsupported as e:
@@ -58,3 +59,9 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
         warnings.warn(f"fxmem per-example: not chunking this graph: {e}", stacklevel=2)
         return None
     return ChunkedStep(parts, plan, compile_chunk, measure_chunk)
+
+
+def _hint(node: fx.Node) -> int:
+    """The batch size a dynamic graph was traced at (for the report)."""
+    val = node.meta.get("example_value")
+    return int(val.node.hint) if isinstance(val, torch.SymInt) and val.node.hint is not None else 0

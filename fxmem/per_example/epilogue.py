@@ -48,6 +48,17 @@ def _shape(node) -> tuple[int, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _is_batch(size, batch) -> bool:
+    """Whether a traced size is the batch size: equal ints, or the same symbol (compared as
+    expressions, so no shape guard is added after tracing)."""
+    if isinstance(batch, fx.Node):
+        val = batch.meta.get("example_value")
+        if isinstance(size, torch.SymInt) and isinstance(val, torch.SymInt):
+            return size.node.expr == val.node.expr
+        batch = val.node.maybe_as_int() if isinstance(val, torch.SymInt) else val
+    return isinstance(size, int) and size == batch
+
+
 def _nodes(args) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(args, out.append)
@@ -184,9 +195,10 @@ class Epilogue:
         shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) \
             else node.args[1:]
         shape = node.kwargs.get("shape", shape)
-        if out is None or not out or out[0] != B or not shape or shape[0] not in (B, -1):
+        if out is None or not out or not _is_batch(out[0], B) or not shape or not (
+                shape[0] is B or shape[0] == -1 or _is_batch(shape[0], B)):
             raise Unsupported(f"{node.format_node()} does not keep the batch as its leading dim")
         # Rows of a row-major reshape with B leading rows are exactly the examples.
-        if shape[0] == B:
+        if shape[0] is B or (shape[0] != -1 and _is_batch(shape[0], B)):
             self.batch_shape_args.append(node)
         return Batched(0)

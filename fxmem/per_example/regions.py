@@ -29,7 +29,7 @@ class Unsupported(ShortenTraceback):  # a RuntimeError
 class Region:
     start: fx.Node                    # _vmap_increment_nesting
     end: fx.Node                      # _vmap_decrement_nesting
-    batch_size: int
+    batch_size: int | fx.Node         # the literal, or the SymInt node carrying it
     nodes: list[fx.Node]              # start..end, graph order
     batched: dict[fx.Node, int]       # _add_batch_dim node -> in_dim of the value it batches
     outputs: list[fx.Node]            # _remove_batch_dim nodes (out_dim 0)
@@ -53,10 +53,9 @@ def find_regions(graph: fx.Graph) -> list[Region]:
 
 
 def _region(start: fx.Node, end: fx.Node, body: list[fx.Node]) -> Region:
-    size = start.args[0]
-    if not isinstance(size, int):
-        raise Unsupported(f"the vmap batch size is symbolic ({size}); chunking needs a static batch "
-                          "size (compile without dynamic=True)")
+    size = start.args[0]  # an int, or a SymInt node (dynamic batch: Poisson-sampled DP-SGD)
+    if not isinstance(size, (int, fx.Node)):
+        raise Unsupported(f"the vmap batch size {size!r} is neither a constant nor a graph value")
     level = None
     batched, outputs = {}, []
     inside = set(body)

@@ -33,6 +33,7 @@ class ChunkPlan:
     fused_sums: int = 0                        # clip-weighted batch sums done as matvecs
     fused_norms: int = 0                       # global norms taken without concatenating
     reason: str | None = None                  # why the graph was not chunked
+    ghost: list = field(default_factory=list)  # ghost.Decision per per-example weight gradient
 
     input_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -46,7 +47,12 @@ class ChunkPlan:
                     requested=self.requested, memory_budget=self.memory_budget,
                     measured={int(k): int(v) for k, v in self.measured.items()},
                     fused_sums=self.fused_sums, fused_norms=self.fused_norms,
-                    chunked=self.chunked, reason=self.reason)
+                    chunked=self.chunked, reason=self.reason,
+                    ghost=[d.summary() for d in self.ghost])
+
+
+def _signature(inputs: list) -> tuple:
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 class ChunkedStep:
@@ -59,14 +65,16 @@ class ChunkedStep:
                                            lambda x: _Ref(x) if isinstance(x, str) else x)
 
     def _chunk_fn(self, m: int, inputs: list, compile_fn=None) -> Callable:
-        if compile_fn is None and m in self._compiled:
-            return self._compiled[m]
+        key = (m, *_signature(inputs))  # a chunk graph is compiled for static shapes
+        if compile_fn is None and key in self._compiled:
+            return self._compiled[key]
         log.debug("fxmem per-example: compiling the chunk graph for %d examples", m)
         gm = self.split.make_chunk(m)
         self.plan.fused_norms = gm.fused_norms
         fn = (compile_fn or self._compile)(gm, inputs)
+        self.plan.ghost = getattr(fn, "ghost_decisions", self.plan.ghost)  # what ghost.py decided
         if compile_fn is None:
-            self._compiled[m] = fn
+            self._compiled[key] = fn
         return fn
 
     def _inputs(self, env: dict, start: int, size: int) -> list:
@@ -90,7 +98,7 @@ class ChunkedStep:
         return torch.device("cpu")
 
     def _choose(self, env: dict) -> int:
-        plan, B = self.plan, self.plan.batch_size
+        plan, B = self.plan, self._batch(env)
         budget = plan.memory_budget
         m1, m2 = 1, min(B, 4)
         p1 = self._step_peak(env, m1, self._measure_compile)
@@ -112,8 +120,13 @@ class ChunkedStep:
                  "measured peak %d)", m, B, budget, plan.measured.get(m, p1))
         return m
 
+    def _batch(self, env: dict) -> int:
+        """This call's batch size, read off a batched input (dynamic graphs vary it)."""
+        name, dim = next((n, d) for n, d in self.split.chunk_inputs if d is not None)
+        return env[name].shape[dim]
+
     def _loop(self, env: dict, m: int, run: Callable) -> dict:
-        split, B = self.split, self.plan.batch_size
+        split, B = self.split, self._batch(env)
         acc: list = [None] * len(split.partials)
         parts: list[list] = [[] for _ in split.chunk_batched_outputs]
         for start in range(0, B, m):
