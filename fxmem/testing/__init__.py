@@ -7,7 +7,8 @@ and property-test it over random models and options with the hypothesis strategi
 :mod:`fxmem.testing.strategies` (``model_specs``, ``options``, ``plan_options``,
 ``rule_strings``) and :func:`fxmem.testing.models.build`.
 """
-from .checks import StepCheck, assert_same_training_step
+from .checks import StepCheck, assert_same_clipped_sum, assert_same_training_step, per_example_reference
 from .models import ModelSpec, build
 
-__all__ = ["ModelSpec", "StepCheck", "assert_same_training_step", "build"]
+__all__ = ["ModelSpec", "StepCheck", "assert_same_clipped_sum", "assert_same_training_step", "build",
+           "per_example_reference"]

@@ -137,3 +137,38 @@ def _unoptimized(options: Mapping[str, Any]):
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
 
     return backend
+
+
+def per_example_reference(loss_fn, params: dict, batch: tuple, clipping_norm: float):
+    """The explicit per-example Python loop: ``(sum_i min(1, C/||g_i||) g_i, norms)``."""
+    from torch.func import grad
+
+    total, norms = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}, []
+    for i in range(batch[0].shape[0]):
+        g = grad(loss_fn)(params, *[b[i] for b in batch])
+        norm = torch.sqrt(sum((v.double() ** 2).sum() for v in g.values()))
+        factor = min(1.0, clipping_norm / norm.item()) if norm > 0 else 1.0
+        for k, v in g.items():
+            total[k] += factor * v.double()
+        norms.append(norm)
+    return total, torch.stack(norms)
+
+
+def assert_same_clipped_sum(loss_fn, params: dict, batch: tuple, clipping_norm: float = 1.0, *,
+                            microbatch_size: Any = None, options: Mapping[str, Any] | None = None,
+                            rtol: float = 1e-5, atol: float = 1e-7):
+    """``fxmem.dpsgd.clipped_grad`` (compiled with fxmem, chunked by ``microbatch_size``) equals
+    the explicit per-example loop; returns ``(sums, norms)``. ``loss_fn(params, *example)`` sees
+    one example (no batch dim); every tensor of ``batch`` is batched along dim 0."""
+    from ..dpsgd import clipped_grad
+
+    fn = clipped_grad(loss_fn, clipping_norm, batch_argnums=tuple(range(1, 1 + len(batch))),
+                      microbatch_size=microbatch_size, return_norms=True,
+                      options={"inner": "eager", **dict(options or {})})
+    sums, norms = fn(params, *batch)
+    want, want_norms = per_example_reference(loss_fn, params, batch, clipping_norm)
+    torch.testing.assert_close(norms.double(), want_norms, rtol=rtol, atol=atol)
+    for k in want:
+        torch.testing.assert_close(sums[k].double(), want[k], rtol=rtol, atol=atol,
+                                   msg=lambda m, k=k: f"clipped sum of {k} differs from the loop: {m}")
+    return sums, norms
