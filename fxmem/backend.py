@@ -9,7 +9,8 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from . import inner, per_example
+from . import inner, lowering, per_example
+from .fallback import stage_failed
 from .options import OptionError, Options, resolve
 from .per_example.remat import compile_chunk
 from .remat.partition import Partitioner
@@ -27,13 +28,31 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mappin
         opts = resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
-    chunked = per_example.compile_chunked(gm, example_inputs, opts, lambda g, ins: compile_chunk(g, ins, opts),
-                                          lambda g, ins: compile_chunk(g, ins, replace(opts, inner="eager")))
-    return chunked if chunked is not None else _compile(gm, example_inputs, opts)
+    try:
+        chunked = per_example.compile_chunked(gm, example_inputs, opts, lambda g, ins: compile_chunk(g, ins, opts),
+                                              lambda g, ins: compile_chunk(g, ins, replace(opts, inner="eager")))
+    except Exception as e:  # noqa: BLE001 - the failure policy decides
+        stage_failed("per_example", e, opts)
+        chunked = None
+    if chunked is not None:
+        return chunked
+    try:
+        return _compile(gm, example_inputs, opts)
+    except Exception as e:  # noqa: BLE001
+        stage_failed("compile", e, opts)
+        return _safe_compile(gm, example_inputs)
+
+
+def _safe_compile(gm: fx.GraphModule, example_inputs: list[Any]):
+    """The safe path: AOTAutograd's plain partition (save everything) and the eager inner compiler."""
+    from torch._functorch.partitioners import default_partition
+
+    return aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=default_partition)(gm, example_inputs)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: Options):
-    """AOTAutograd with fxmem's partitioner, then the inner compiler."""
+    """Pattern lowering, then AOTAutograd with fxmem's partitioner, then the inner compiler."""
+    gm, lowered = lowering.lower(gm, example_inputs, opts)
     partitioner = Partitioner(opts, frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor)))
     if opts.inner == "eager":
         compiled = aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=partitioner)(gm, example_inputs)
@@ -42,6 +61,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: Options):
 
         compiled = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
     COMPILES.append(partitioner)
+    lowered.attach(partitioner)
     return compiled
 
 

@@ -2,6 +2,7 @@
 or a batch sum, and run them in microbatches (``options={"microbatch_size": m | "auto"}``)."""
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Callable
 
@@ -15,16 +16,21 @@ from .run import ChunkedStep, ChunkPlan
 
 __all__ = ["PLANS", "ChunkPlan", "Unsupported", "compile_chunked"]
 
+log = logging.getLogger("fxmem")
+
 # Every decision the pass made, oldest first (what reports and dpsgd.clipped_grad read).
 PLANS: list[ChunkPlan] = []
 
 
 def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_chunk: Callable,
                     measure_chunk: Callable | None = None) -> Callable | None:
-    """A chunked runner for ``gm``, or None when there is nothing to chunk (no vmap region, or
-    ``microbatch_size`` unset). When the graph cannot be proven chunkable it warns with the
-    reason and returns None (unchunked, correct) — or raises under ``strict``."""
-    if options.microbatch_size is None:
+    """A chunked runner for ``gm``, or None when there is nothing to chunk. When the graph
+    cannot be proven chunkable it warns with the reason and returns None (unchunked, correct),
+    or raises under ``strict``. With ``microbatch_size`` unset the whole batch is one chunk when
+    ``ghost_clipping`` is on (so the ghost rewrite applies), and an unprovable graph is left
+    alone quietly: nobody asked for chunking."""
+    whole_batch = options.microbatch_size is None
+    if whole_batch and not options.ghost_clipping:
         return None
     plan = ChunkPlan(0, requested=options.microbatch_size,
                      input_ids=frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor)))
@@ -46,8 +52,9 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
                 raise OptionError("option 'microbatch_size': 'auto' needs memory_budget in bytes "
                                  f"(an int or a string such as '128MB'), got {options.memory_budget!r}")
             plan.memory_budget = options.memory_budget
-        else:
+        elif not whole_batch:
             plan.microbatch_size = options.microbatch_size
+        plan.whole_batch = whole_batch
         parts = split(gm, regions[0])
         plan.fused_sums = parts.fused_sums
     except Unsupported as e:
@@ -56,7 +63,10 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
         if plan not in PLANS:
             PLANS.append(plan)
         plan.reason = str(e)
-        warnings.warn(f"fxmem per-example: not chunking this graph: {e}", stacklevel=2)
+        if whole_batch:
+            log.debug("fxmem per-example: no ghost clipping for this graph: %s", e)
+        else:
+            warnings.warn(f"fxmem per-example: not chunking this graph: {e}", stacklevel=2)
         return None
     return ChunkedStep(parts, plan, compile_chunk, measure_chunk)
 

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from ..options import Options
 from ..remat.partition import Partitioner
+from .ghost import Pass as Ghost
 
 aten = torch.ops.aten
 
@@ -118,7 +119,8 @@ def compile_chunk(gm: fx.GraphModule, example_inputs: list, options: Options):
     """AOTAutograd + the inner compiler for a chunk graph, with :func:`plan_flat` applied to
     the flat graph first. The chunk runs without an outer backward (inference). In a chunked
     graph ``memory_budget`` caps the whole step (it chooses the microbatch size), so the inner
-    planner gets the level and rules only."""
+    planner gets the level and rules only. Under ``ghost_clipping`` ghost.py rewrites the flat
+    graph before the planner (and before Inductor's decompositions)."""
     from dataclasses import replace
 
     from torch._dynamo.backends.common import aot_autograd
@@ -127,14 +129,21 @@ def compile_chunk(gm: fx.GraphModule, example_inputs: list, options: Options):
 
     options = replace(options, memory_budget=None)
     ids = frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor))
+    ghost = Ghost(options, gm)  # ghost norms + book-keeping on the flat graph (ghost.py)
+    materialized = lambda ins: compile_chunk(gm, ins, replace(options, ghost_clipping=False))  # noqa: E731
     if options.inner == "eager":
         def fw(g, ins):
-            return inner.eager(plan_flat(g, options, ids), ins)
+            return inner.eager(plan_flat(ghost(g), options, ids), ins)
 
-        return aot_autograd(fw_compiler=fw, bw_compiler=inner.eager)(gm, example_inputs)
+        return ghost.guard(aot_autograd(fw_compiler=fw, bw_compiler=inner.eager)(gm, example_inputs), materialized)
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(g, ins, **kwargs):
         return compile_fx_inner(plan_flat(g, options, ids), ins, **kwargs)
 
+    if ghost.enabled:  # rewrite before Inductor's decompositions, then compile the result
+        from functorch.compile import make_boxed_func
+
+        return ghost.guard(aot_autograd(fw_compiler=lambda g, ins: make_boxed_func(compile_fx(
+            ghost(g), ins, inner_compile=inner_compile)), bw_compiler=inner.eager)(gm, example_inputs), materialized)
     return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -33,6 +33,7 @@ class ChunkPlan:
     fused_sums: int = 0                        # clip-weighted batch sums done as matvecs
     fused_norms: int = 0                       # global norms taken without concatenating
     reason: str | None = None                  # why the graph was not chunked
+    whole_batch: bool = False                  # microbatch_size unset: one chunk (for ghost clipping)
     ghost: list = field(default_factory=list)  # ghost.Decision per per-example weight gradient
 
     input_ids: frozenset[int] = field(default=frozenset(), repr=False)
@@ -47,7 +48,7 @@ class ChunkPlan:
                     requested=self.requested, memory_budget=self.memory_budget,
                     measured={int(k): int(v) for k, v in self.measured.items()},
                     fused_sums=self.fused_sums, fused_norms=self.fused_norms,
-                    chunked=self.chunked, reason=self.reason,
+                    chunked=self.chunked, reason=self.reason, whole_batch=self.whole_batch,
                     ghost=[d.summary() for d in self.ghost])
 
 
@@ -150,9 +151,12 @@ class ChunkedStep:
     def __call__(self, *args):
         split = self.split
         env = dict(zip(split.outer_outputs, split.outer(*args)))
-        if self.plan.microbatch_size is None:
-            self.plan.microbatch_size = self._choose(env)
-        m = self.plan.microbatch_size
+        if self.plan.whole_batch:
+            m = self._batch(env)
+        else:
+            if self.plan.microbatch_size is None:
+                self.plan.microbatch_size = self._choose(env)
+            m = self.plan.microbatch_size
         env.update(self._loop(env, m, lambda size, ins: self._chunk_fn(size, ins)(*ins)))
         env.update(zip(split.rest_outputs, split.rest(*[env[n] for n in split.rest_inputs])))
         return fx.node.map_aggregate(self._spec, lambda x: env[x] if isinstance(x, _Ref) else x)

@@ -32,6 +32,16 @@ class ClusterRow:
 
 
 @dataclass(frozen=True)
+class LoweringRow:
+    """One pattern that fxmem.lowering replaced by a fused kernel in this graph."""
+    pattern: str  # the option key, e.g. "fused_linear_cross_entropy"
+    count: int  # occurrences lowered
+    bytes_saved: int | None  # saved-for-backward bytes, unfused minus fused, at the compiled shape
+    replacement: str  # the fused ops
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class GraphReport:
     index: int
     level: int
@@ -51,6 +61,8 @@ class GraphReport:
     chosen_lambda: float = 0.0
     plain_bytes: int = 0  # what a plain partition (no recompute) would keep
     level0_bytes: int = 0  # what level 0 without rules or budget keeps
+    lowerings: list[LoweringRow] = field(default_factory=list)  # patterns lowered to fused kernels
+    lowering_notes: list[str] = field(default_factory=list)  # patterns found but left alone, and why
 
     def values_at(self, **shapes: Any) -> dict[str, int]:
         """Symbol values for shapes given by input name: ``input_ids=(64, 2048)``, or by symbol."""
@@ -103,11 +115,17 @@ class MemoryReport:
     graphs: list[GraphReport]
     plans: list = field(default_factory=list, repr=False)  # live plans (for frontiers), when known
     per_example: list[dict] = field(default_factory=list)  # microbatching decisions (ChunkPlan.summary)
+    # Lowerings in graphs without a backward to plan (e.g. vmap(grad(...)) with no outer
+    # backward): {"rows": [LoweringRow as dict], "notes": [str]} per graph.
+    unplanned_lowerings: list[dict] = field(default_factory=list)
 
     def __str__(self) -> str:
-        from .render import per_example_lines, table
+        from .render import lowering_lines, per_example_lines, table
 
         parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
+        for u in self.unplanned_lowerings:
+            rows = [LoweringRow(**r) for r in u["rows"]]
+            parts.append("\n".join(["graph without a backward to plan:", *lowering_lines(rows, u["notes"])]))
         return "\n\n".join(parts) or "fxmem: no graphs compiled"
 
     def _graph(self) -> GraphReport:
@@ -151,7 +169,7 @@ class MemoryReport:
 
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
-                "per_example": self.per_example}
+                "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -171,9 +189,11 @@ class MemoryReport:
             raise ValueError(f"not an fxmem report of schema {SCHEMA_VERSION}: {str(data)[:80]}")
         graphs = []
         for g in data["graphs"]:
-            g = dict(g, clusters=[ClusterRow(**c) for c in g["clusters"]])
+            g = dict(g, clusters=[ClusterRow(**c) for c in g["clusters"]],
+                     lowerings=[LoweringRow(**r) for r in g.get("lowerings", [])])
             graphs.append(GraphReport(**g))
-        return cls(graphs, per_example=data.get("per_example", []))
+        return cls(graphs, per_example=data.get("per_example", []),
+                   unplanned_lowerings=data.get("unplanned_lowerings", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
@@ -183,6 +203,11 @@ class MemoryReport:
         if not g.frontier and self.plans:
             g.frontier.extend([list(p) for p in self.plans[-1].frontier()])
         return plot(g, path)
+
+
+def report_json_path(path: str, index: int) -> str:
+    """Where graph ``index``'s report goes for ``options.report_path = path``."""
+    return f"{path[:-5]}.{index}.json" if path.endswith(".json") else f"{path}.{index}.json"
 
 
 def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str]) -> GraphReport:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .model import GraphReport
+from .model import GraphReport, LoweringRow
 
 
 def _mb(b: float) -> str:
@@ -31,10 +31,25 @@ def table(g: GraphReport) -> str:
         f"rules applied: {', '.join(f'{r[0]} ({r[2]} occurrences)' for r in g.applied_rules) or 'none'}",
     ]
     lines += [f"note: {n}" for n in g.notes]
+    if g.lowerings or g.lowering_notes:
+        lines += lowering_lines(g.lowerings, g.lowering_notes)
     if g.symbols:
         legend = "; ".join(f"{name} = {g.values.get(sym, '?')}" for sym, name in sorted(g.symbols.items(), key=lambda kv: kv[1]))
         lines.append(f"symbols (at the compiled shape): {legend}")
     return "\n".join(lines)
+
+
+def lowering_lines(rows: list[LoweringRow], notes: list[str]) -> list[str]:
+    """The patterns lowered to fused kernels: pattern, count, saved-for-backward bytes saved."""
+    w = max([len(r.pattern) for r in rows] + [len("lowered pattern")])
+    lines = [f"{'lowered pattern':{w}s}  count  saved for backward (bytes)  fused ops"]
+    for r in rows:
+        saved = "?" if r.bytes_saved is None else f"{r.bytes_saved:,d}"
+        lines.append(f"{r.pattern:{w}s}  {r.count:5d}  {saved:>26s}  {r.replacement}")
+        lines += [f"{'':{w}s}    {n}" for n in r.notes]
+    if not rows:
+        lines.append("(none)")
+    return lines + [f"lowering: {n}" for n in notes]
 
 
 def plot(g: GraphReport, path: str) -> str:
@@ -73,11 +88,28 @@ def per_example_lines(plans: list[dict]) -> list[str]:
         if not p["chunked"]:
             out.append(f"{head}: not chunked ({p['reason']})")
             continue
-        lines = [f"{head}: runs in chunks of {p['microbatch_size']}",
+        size = "the whole batch at once" if p.get("whole_batch") else f"chunks of {p['microbatch_size']}"
+        lines = [f"{head}: runs in {size}",
                  f"  fused: {p['fused_sums']} clip-weighted batch sums as matvecs, "
                  f"{p['fused_norms']} global norms without concatenation"]
         if p["memory_budget"] is not None:
             measured = ", ".join(f"m={m}: {b / 2**20:.1f} MiB" for m, b in sorted(p["measured"].items()))
             lines.append(f"  budget {p['memory_budget'] / 2**20:.1f} MiB; measured step peaks {measured}")
+        lines += ghost_lines(p.get("ghost") or [])
         out.append("\n".join(lines))
     return out
+
+
+def ghost_lines(decisions: list[dict]) -> list[str]:
+    """Ghost clipping per per-example weight gradient (fxmem/per_example/ghost.py): ghost norm +
+    book-kept sum, or materialized, and why."""
+    if not decisions:
+        return []
+    n = sum(d["choice"] == "ghost" for d in decisions)
+    lines = [f"  ghost clipping: {n} of {len(decisions)} per-example weight gradients never materialized"]
+    for d in decisions:
+        name = d.get("param") or f"output {d['output']}"
+        shape = "x".join(str(x) for x in d["shape"])
+        tokens = "" if d.get("tokens") is None else f", T={d['tokens']}"
+        lines.append(f"    {name} ({d['kind']}, {shape}{tokens}): {d['choice']} ({d['reason']})")
+    return lines

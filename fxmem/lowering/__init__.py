@@ -1,0 +1,190 @@
+"""Pattern lowering: find the patterns of :data:`patterns.PATTERNS` in a Dynamo graph and replace
+each by a call of a fused ``fxmem_kernels`` kernel, before AOTAutograd differentiates the graph.
+
+    gm, lowered = lower(gm, example_inputs, options)   # in backend._compile, before AOTAutograd
+    ...
+    lowered.attach(partitioner)                         # the rows go into the memory report
+
+Why the Dynamo (torch-level) graph and not the joint aten graph
+----------------------------------------------------------------
+A pattern is replaced by a call of the kernel's autograd API (``fxmem_kernels.layer_norm``, ...,
+see :mod:`.functions`); AOTAutograd then traces that call like any other, so its joint graph
+holds the fused forward op and, from the Function's backward, the fused backward op, and the
+planner sizes and places them like every other node (custom ops are never recomputed, so what
+they return is what is kept: their true saved bytes). Checked with torch 2.13 (tests/test_lowering.py
+asserts it on every run):
+
+- plain training: a ``call_function`` node calling an ``autograd.Function`` that Dynamo never saw
+  is traced by AOTAutograd into the joint graph as ``fxmem::<op>`` in the forward and
+  ``fxmem::<op>_backward`` in the backward; losses and gradients equal the unlowered graph's.
+- ``vmap(grad(...))``: Dynamo's graph keeps the region as functorch calls
+  (``_vmap_increment_nesting`` ... ``_autograd_grad`` ... ``_remove_batch_dim``) with the
+  per-example ops between them; a call placed there is run by AOTAutograd under the same
+  transforms, so the flat graph gets the fused forward op (batched by its vmap rule: one call on
+  the stacked rows for the norms, activations and per-token cross-entropy) and the backward ops
+  (once per example where a parameter gradient must stay per example). Per-example gradients
+  equal the unlowered ones.
+
+Matching the torch-level graph sees one node per ``F.cross_entropy``/``F.layer_norm`` call, with
+its arguments as written, in plain training and inside vmap regions alike; the joint graph would
+need a forward pattern and a backward pattern per kernel, in two spellings (the joint graph and
+the flat vmap graph, where the backward is explicit batched aten ops after decomposition), and a
+rewrite that keeps forward and backward consistent. The cost of this route: the fused ops exist
+only from AOTAutograd on, so a pattern Dynamo cannot see (e.g. the dropout inside
+``scaled_dot_product_attention``) cannot be lowered, and a custom ``torch.autograd.Function``
+in the user's code is left alone. One Function is ours: under ``vmap`` the kernel's own cross-
+entropy API runs its per-example loop in Python (which AOTAutograd cannot trace), so inside vmap
+regions the loss goes through per-token losses and :class:`functions._RowsLCEBackward`.
+
+Bytes saved per lowering are what autograd keeps for backward from the matched subgraph minus
+what the fused call keeps, on meta tensors at the compiled shape (:mod:`.savings`).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from ..options import Options
+from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
+from .savings import bytes_saved
+
+__all__ = ["PATTERNS", "UNPLANNED", "Pattern", "Lowered", "Lowering", "lower", "enabled"]
+
+log = logging.getLogger("fxmem")
+_KEEP_META = ("example_value", "stack_trace", "nn_module_stack")
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One replaced occurrence."""
+    pattern: str
+    node: str                 # the graph node whose value the fused call now computes
+    bytes_saved: int | None   # saved-for-backward bytes, unfused minus fused (None: unknown)
+    per_example: bool         # inside a vmap region
+    note: str = ""
+
+
+@dataclass
+class Lowering:
+    """What :func:`lower` did to one graph: the occurrences it replaced and the anchors it left
+    alone (with why)."""
+    lowered: list[Lowered] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (pattern, node, reason)
+    input_ids: frozenset = frozenset()  # ids of the graph's example inputs (links reports to models)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for x in self.lowered:
+            out[x.pattern] = out.get(x.pattern, 0) + 1
+        return out
+
+    def rows(self) -> list:
+        """One :class:`fxmem.report.model.LoweringRow` per pattern lowered, in table order."""
+        from ..report.model import LoweringRow
+
+        rows = []
+        for p in PATTERNS:
+            occ = [x for x in self.lowered if x.pattern == p.name]
+            if not occ:
+                continue
+            known = [x.bytes_saved for x in occ if x.bytes_saved is not None]
+            notes = sorted({x.note for x in occ if x.note})
+            if any(x.per_example for x in occ):
+                notes.append(f"{sum(x.per_example for x in occ)} inside vmap(grad) regions")
+            rows.append(LoweringRow(p.name, len(occ), sum(known) if len(known) == len(occ) else None,
+                                    p.replacement, notes))
+        return rows
+
+    def notes(self) -> list[str]:
+        return [f"left alone: {pattern} at {node}: {why}" for pattern, node, why in self.skipped]
+
+    def attach(self, partitioner: Any) -> None:
+        """Put the rows into the reports of the graphs ``partitioner`` planned (AOTAutograd calls
+        it while compiling, so after the compile each of its records holds this graph's plan);
+        a graph without a backward is never planned: its lowerings go to :data:`UNPLANNED`."""
+        if not self.lowered and not self.skipped:
+            return
+        self.input_ids = partitioner.input_ids
+        if not partitioner.records:
+            UNPLANNED.append(self)
+        for rec in partitioner.records:
+            rec.report.lowerings[:] = self.rows()
+            rec.report.lowering_notes[:] = self.notes()
+            path = partitioner.options.report_path
+            if path:  # rewrite the JSON the partitioner wrote, now with the lowering rows
+                from ..report.model import MemoryReport, report_json_path
+
+                MemoryReport([rec.report]).to_json(report_json_path(path, rec.report.index))
+
+
+# Lowerings of graphs AOTAutograd compiled without a backward (nothing planned), oldest first.
+UNPLANNED: list[Lowering] = []
+
+
+def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx.GraphModule, Lowering]:
+    """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
+    as it is, for a fallback compile), and what was done. ``options.lowering``: True (all), False
+    (none) or a dict pattern -> bool (patterns not named stay on)."""
+    result = Lowering()
+    patterns = enabled(options.lowering)
+    if not patterns:
+        return gm, result
+    original, gm = gm, _copy(gm)
+    graph = gm.graph
+    erased: set[fx.Node] = set()
+    for pattern in patterns:
+        ctx = Context.of(graph)
+        for node in list(graph.nodes):
+            if node in erased:
+                continue
+            found = pattern.find(node, ctx)
+            if isinstance(found, Skip):
+                result.skipped.append((found.pattern, found.node.name, found.reason))
+            elif isinstance(found, Match):
+                result.lowered.append(_apply(graph, found, ctx, erased))
+    if not result.lowered:
+        gm = original
+    else:
+        graph.lint()
+        gm.recompile()
+    level = logging.INFO if options.report else logging.DEBUG
+    if log.isEnabledFor(level):
+        from ..report.render import lowering_lines
+
+        log.log(level, "%s", "\n".join(lowering_lines(result.rows(), result.notes())))
+    return gm, result
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (node meta shallow-copied), sharing its
+    parameters, with Dynamo's extra attributes (``meta``, parameter sources, ...)."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    for old, n in zip(gm.graph.nodes, new.graph.nodes):  # e.g. Dynamo's placeholder._dynamo_source
+        for key, value in old.__dict__.items():
+            if key not in n.__dict__:
+                setattr(n, key, value)
+    for key, value in gm.__dict__.items():
+        if key not in new.__dict__:
+            setattr(new, key, value)
+    new.meta.update(gm.meta)
+    return new
+
+
+def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set) -> Lowered:
+    region = ctx.region.get(m.output)
+    batch = region[0] if region is not None and isinstance(region[0], int) else 1
+    saved = bytes_saved(m.nodes, m.output, m.call, m.args, m.kwargs, batch)
+    with graph.inserting_before(m.output):
+        new = graph.call_function(m.call, m.args, m.kwargs)
+    new.meta.update({k: m.output.meta[k] for k in _KEEP_META if k in m.output.meta})
+    name = m.output.name
+    m.output.replace_all_uses_with(new)
+    for n in reversed(m.nodes):
+        if not n.users:
+            graph.erase_node(n)
+            erased.add(n)
+    return Lowered(m.pattern, name, saved, region is not None, m.note)

@@ -1,0 +1,166 @@
+"""What a lowered graph calls: one function per replacement, each a thin call of an
+``fxmem_kernels`` autograd API (or, for the per-example cross-entropy, of the kernel's functional
+ops through the autograd.Functions below). AOTAutograd traces these calls, so its joint graph
+holds the fused forward op and, from the Function's backward, the fused backward op.
+
+Every function takes the tensors first and its settings as keywords, so a graph node reads
+``layer_norm(x, w, b, eps=1e-05)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import fxmem_kernels as K
+
+_IMPL = "auto"  # Triton on CUDA tensors, the portable PyTorch implementation elsewhere
+
+
+def _lce_op():
+    return torch.ops.fxmem.linear_cross_entropy.default
+
+
+def _lce_backward_op():
+    return torch.ops.fxmem.linear_cross_entropy_backward.default
+
+
+# -- fused linear cross-entropy --------------------------------------------------------------
+def _rows_of(h: Tensor, target: Tensor, index: tuple, hidden: int) -> tuple[Tensor, Tensor]:
+    for idx in index:  # the slicing the logits went through, applied to the hidden states
+        h = h[idx]
+    return h.reshape(-1, hidden), target.reshape(-1)
+
+
+def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, *,
+                         index: tuple, hidden: int, ignore_index: int, label_smoothing: float,
+                         reduction: str, out_dtype: torch.dtype) -> Tensor:
+    """``F.cross_entropy(linear(h, weight, bias)[index].view(-1, V).float(), target, ...)``
+    without the logits (the kernel computes the gradients in the same pass for a reduced loss)."""
+    h2, t = _rows_of(h, target, index, hidden)
+    loss = K.linear_cross_entropy(h2, weight, t, bias, ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing, reduction=reduction, impl=_IMPL)
+    return loss if loss.dtype == out_dtype else loss.to(out_dtype)
+
+
+def per_example_linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor],
+                                     target: Tensor, *, index: tuple, hidden: int,
+                                     ignore_index: int, label_smoothing: float, reduction: str,
+                                     out_dtype: torch.dtype) -> Tensor:
+    """The same inside a ``vmap(grad(...))`` region: per-token losses (the forward op folds the
+    batch into its rows: one call), reduced here; the backward op runs once per example."""
+    h2, t = _rows_of(h, target, index, hidden)
+    rows, _ = _RowsLCE.apply(h2, weight, bias, t, (ignore_index, label_smoothing))
+    rows = rows.to(out_dtype)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total / (t != ignore_index).sum() if reduction == "mean" else total
+
+
+class _RowsLCE(torch.autograd.Function):
+    """Per-token linear cross-entropy from the kernel's functional ops.
+
+    The kernel's own autograd API computes the gradients in its forward for a reduced loss, and
+    under ``vmap`` its ops run a per-example loop that calls the Python implementation directly
+    (which AOTAutograd cannot trace: its target check reads a tensor's value). Here the forward
+    op is called with reduction "none" (batched rows fold into one call) and the backward op
+    through :class:`_RowsLCEBackward`, whose vmap rule calls the op once per example."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h, weight, bias, target, opts):
+        ignore_index, label_smoothing = opts
+        out = _lce_op()(h, weight, bias, target, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing, reduction="none", impl=_IMPL)
+        return out[0], out[1]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, weight, bias, target, ctx.opts = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(h, weight, bias, target, output[1])
+
+    @staticmethod
+    def backward(ctx, grad_rows, _grad_lse):
+        h, weight, bias, target, lse = ctx.saved_tensors
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2])
+        dh, dw, db = _RowsLCEBackward.apply(grad_rows, h, weight, bias, target, lse, ctx.opts, need)
+        return (dh if need[0] else None, dw if need[1] else None, db if need[2] else None,
+                None, None)
+
+
+def _lce_backward(grad_rows, h, weight, bias, target, lse, opts, need):
+    ignore_index, label_smoothing = opts
+    return _lce_backward_op()(grad_rows, h, weight, bias, target, lse, ignore_index=ignore_index,
+                              label_smoothing=label_smoothing, impl=_IMPL, grad_hidden=need[0],
+                              grad_weight=need[1], grad_bias=need[2])
+
+
+class _RowsLCEBackward(torch.autograd.Function):
+    """The backward op as a Function: under vmap, one op call per example, results stacked (a
+    per-example weight gradient is per example whatever the kernel does)."""
+
+    @staticmethod
+    def forward(grad_rows, h, weight, bias, target, lse, opts, need):
+        return _lce_backward(grad_rows, h, weight, bias, target, lse, opts, need)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("fxmem lowering: double backward through the fused linear "
+                           "cross-entropy is not supported")
+
+    @staticmethod
+    def vmap(info, in_dims, grad_rows, h, weight, bias, target, lse, opts, need):
+        tensors = (grad_rows, h, weight, bias, target, lse)
+
+        def example(i):
+            return [t if t is None or d is None else t.select(d, i)
+                    for t, d in zip(tensors, in_dims[:6])]
+
+        outs = [_lce_backward(*example(i), opts, need) for i in range(info.batch_size)]
+        return tuple(torch.stack(o) for o in zip(*outs)), (0, 0, 0)
+
+
+# -- norms, activations, dropout --------------------------------------------------------------
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, eps: float) -> Tensor:
+    return K.layer_norm(x, weight, bias, eps, impl=_IMPL)
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor], *, eps: float) -> Tensor:
+    return K.rms_norm(x, weight, eps, impl=_IMPL)
+
+
+def bias_gelu(x: Tensor, bias: Optional[Tensor], *, approximate: str) -> Tensor:
+    return K.bias_gelu(x, bias, approximate, impl=_IMPL)
+
+
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, *, approximate: str) -> Tensor:
+    """``gelu(F.linear(x, weight, bias))``: the bias moves from the matmul into the activation."""
+    return K.bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, impl=_IMPL)
+
+
+def addmm_bias_gelu(bias: Tensor, x: Tensor, weight: Tensor, *, shape: tuple | None,
+                    approximate: str) -> Tensor:
+    """``gelu(torch.addmm(bias, x, weight).view(shape))`` (GPT-2's Conv1D, then its MLP)."""
+    y = torch.mm(x, weight)
+    if shape is not None:
+        y = y.view(shape)
+    return K.bias_gelu(y, bias, approximate, impl=_IMPL)
+
+
+def glu(gate: Tensor, up: Tensor, *, activation: str) -> Tensor:
+    if activation == "silu":
+        return K.swiglu(gate, up, impl=_IMPL)
+    return K.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none", impl=_IMPL)
+
+
+def dropout(x: Tensor, *, p: float) -> Tensor:
+    return K.seeded_dropout(x, p, impl=_IMPL)

@@ -1,0 +1,485 @@
+"""The pattern table: every graph pattern fxmem lowers to a fused kernel, in one place.
+
+Each :class:`Pattern` names an option key (``lowering={"<name>": False}`` turns it off), says in
+words what it matches and what replaces it, and has a finder: given one node of a Dynamo graph,
+it returns a :class:`Match` (the nodes to replace, the node whose value the replacement takes
+over, and the call from :mod:`.functions` that computes it), a :class:`Skip` (the anchor op is
+there but the rest does not fit: left alone, with the reason) or None.
+
+A match must be whole: every node it replaces other than its output is used only inside the
+pattern (the one exception: logits that are also a graph output stay computed for it), shapes
+and dtypes are those the kernel computes. Patterns run in table order, so SwiGLU/GeGLU take
+their GELU before bias-GELU looks for one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._functorch import predispatch
+
+from ..options import LOWERING_PATTERNS
+from . import functions as fn
+from .match import (POINTWISE, arg, commuted, is_cast_to, is_number, last_dim_vector, only_users, op,
+                    same_shape, tensor, val)
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Match:
+    pattern: str
+    output: fx.Node                  # its value is what the replacement computes
+    nodes: list[fx.Node]             # replaced (erased once unused), graph order
+    call: Callable                   # from .functions
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass
+class Skip:
+    pattern: str
+    node: fx.Node
+    reason: str
+
+
+@dataclass(frozen=True)
+class Context:
+    """What finders need to know about the graph beyond a node's neighbours."""
+    region: dict  # node -> (batch_size, randomness) of the innermost vmap region holding it
+    batched: frozenset  # nodes computed from a vmap-batched input
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> "Context":
+        region, stack, batched = {}, [], set()
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is predispatch._vmap_increment_nesting:
+                stack.append((n.args[0], n.args[1] if len(n.args) > 1 else "error"))
+            elif n.op == "call_function" and n.target is predispatch._vmap_decrement_nesting and stack:
+                stack.pop()
+            elif stack:
+                region[n] = stack[-1]
+            if n.op == "call_function" and n.target is predispatch._add_batch_dim:
+                batched.add(n)
+            elif any(a in batched for a in n.all_input_nodes):
+                batched.add(n)
+        return cls(region, frozenset(batched))
+
+
+Finder = Callable[[fx.Node, Context], "Match | Skip | None"]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str           # the option key (fxmem.options.LOWERING_PATTERNS)
+    matches: str        # what it matches, in words
+    replacement: str    # the fused ops that replace it
+    find: Finder
+
+
+def _whole(nodes: list[fx.Node], output: fx.Node, keep_for_output: tuple = ()) -> bool:
+    """Every node but ``output`` is used only inside the pattern (nodes in ``keep_for_output``
+    may also be used by the graph's output node)."""
+    inside = set(nodes)
+    for n in nodes:
+        if n is output:
+            continue
+        extra = {u for u in n.users if u not in inside}
+        if extra and not (n in keep_for_output and all(u.op == "output" for u in extra)):
+            return False
+    return True
+
+
+def _ordered(nodes) -> list[fx.Node]:
+    nodes = list(dict.fromkeys(nodes))
+    graph = nodes[0].graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(nodes, key=pos.__getitem__)
+
+
+# -- fused linear cross-entropy ---------------------------------------------------------------
+def _leading_slice(index, ndim: int) -> bool:
+    """``logits[index]`` slices leading dims only (the vocab dim stays whole)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) for i in idx):
+        return False
+    if len(idx) < ndim:
+        return True
+    return len(idx) == ndim and idx[-1] == slice(None, None, None)
+
+
+def find_linear_cross_entropy(n: fx.Node, ctx: Context):
+    if op(n) != "cross_entropy":
+        return None
+    name = "fused_linear_cross_entropy"
+
+    def skip(reason):
+        return Skip(name, n, reason)
+
+    x, target = arg(n, 0, "input"), arg(n, 1, "target")
+    if arg(n, 2, "weight") is not None:
+        return skip("class weights")
+    if arg(n, 3, "size_average") is not None or arg(n, 5, "reduce") is not None:
+        return skip("legacy size_average/reduce arguments")
+    ignore_index, reduction = arg(n, 4, "ignore_index", -100), arg(n, 6, "reduction", "mean")
+    smoothing = arg(n, 7, "label_smoothing", 0.0)
+    if not (isinstance(ignore_index, int) and reduction in ("mean", "sum", "none")
+            and is_number(smoothing)):
+        return skip("non-constant ignore_index, reduction or label_smoothing")
+    tx, tt = tensor(x), tensor(target)
+    if tx is None or tt is None or tx.dim() != 2 or tt.dim() != 1 or tt.dtype.is_floating_point:
+        return skip("logits are not [tokens, vocab] with integer [tokens] targets")
+    chain, index, cur = [], [], x
+    while op(cur) != "linear":
+        o, t_in = op(cur), tensor(arg(cur, 0)) if isinstance(cur, fx.Node) else None
+        t_out = tensor(cur)
+        if t_in is None or t_out is None:
+            return skip("the logits do not come from a linear layer")
+        if o in ("view", "reshape", "flatten"):
+            if t_in.shape[-1] != t_out.shape[-1]:
+                return skip("a reshape of the logits mixes the vocab dim")
+        elif o == "getitem":
+            if not _leading_slice(arg(cur, 1), t_in.dim()):
+                return skip("the logits are indexed along the vocab dim")
+            index.append(arg(cur, 1))
+        elif o == "contiguous" or is_cast_to(cur, torch.float32):
+            pass
+        else:
+            return skip("the logits do not come from a linear layer (or pass an op other than "
+                        "view/reshape/flatten/slice/contiguous/float)")
+        chain.append(cur)
+        cur = arg(cur, 0)
+    lin = cur
+    h, w, b = arg(lin, 0, "input"), arg(lin, 1, "weight"), arg(lin, 2, "bias")
+    th, tw, tb = tensor(h), tensor(w), tensor(b) if b is not None else None
+    if th is None or tw is None or tw.dim() != 2 or (b is not None and tb is None):
+        return skip("the linear layer's operands are not tensors")
+    if th.dtype not in FLOATS or tw.dtype != th.dtype or (tb is not None and tb.dtype != th.dtype):
+        return skip(f"dtypes {th.dtype}/{tw.dtype} are not one float dtype")
+    if tx.shape[-1] != tw.shape[0]:
+        return skip("the logits' last dim is not the linear layer's output dim")
+    region = ctx.region.get(n)
+    if region is not None and (w in ctx.batched or b in ctx.batched):
+        return skip("per-example weights inside vmap")
+    nodes = _ordered([lin, *chain, n])
+    returned = any(u.op == "output" for u in lin.users)
+    if not _whole(nodes, n, keep_for_output=(lin,)):
+        return skip("the logits (or a view of them) are used by other ops")
+    call = fn.per_example_linear_cross_entropy if region is not None else fn.linear_cross_entropy
+    kwargs = dict(index=tuple(index[::-1]), hidden=int(tw.shape[1]), ignore_index=ignore_index,
+                  label_smoothing=float(smoothing), reduction=reduction, out_dtype=tensor(n).dtype)
+    note = ("the logits are also a graph output: computed for it (drop them, e.g. return only "
+            "the loss, to save them too)") if returned else ""
+    return Match(name, n, nodes, call, (h, w, b, target), kwargs, note)
+
+
+# -- SwiGLU / GeGLU -------------------------------------------------------------------------
+def _glu_finder(name: str, activations: tuple[str, ...]) -> Finder:
+    def find(n: fx.Node, ctx: Context):
+        if op(n) != "mul":
+            return None
+        for a, up in commuted(n):
+            if op(a) not in activations or not isinstance(up, fx.Node):
+                continue
+            gate = arg(a, 0, "input")
+            if op(a) == "silu":
+                if arg(a, 1, "inplace", False):
+                    return Skip(name, n, "in-place SiLU")
+                activation = "silu"
+            else:
+                approx = arg(a, 1, "approximate", "none")
+                if approx not in ("none", "tanh"):
+                    return Skip(name, n, f"GELU approximate={approx!r}")
+                activation = "gelu_tanh" if approx == "tanh" else "gelu"
+            tg, tu, ty = tensor(gate), tensor(up), tensor(n)
+            if tg is None or tu is None or ty is None:
+                continue
+            if not (tuple(tg.shape) == tuple(tu.shape) == tuple(ty.shape)) or tg.dtype != tu.dtype \
+                    or tg.dtype not in FLOATS + (torch.float64,):
+                return Skip(name, n, "gate and up differ in shape or dtype (broadcasting)")
+            nodes = _ordered([a, n])
+            if not _whole(nodes, n):
+                return Skip(name, n, "the activation's output is used by other ops")
+            return Match(name, n, nodes, fn.glu, (gate, up), dict(activation=activation))
+        return None
+
+    return find
+
+
+# -- bias + GELU ----------------------------------------------------------------------------
+_PROBE = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
+_GELU_REFS = {a: F.gelu(_PROBE, approximate=a) for a in ("none", "tanh")}
+
+
+def _pointwise_cone(out: fx.Node, limit: int = 16) -> tuple[list[fx.Node], Any] | None:
+    """The pointwise ops ``out`` is computed by from a single tensor leaf: (nodes, leaf)."""
+    nodes, leaves, todo = set(), set(), [out]
+    while todo:
+        m = todo.pop()
+        if m in nodes:
+            continue
+        if op(m) not in POINTWISE or len(nodes) >= limit:
+            leaves.add(m)
+            continue
+        nodes.add(m)
+        for a in list(m.args) + list(m.kwargs.values()):
+            if isinstance(a, fx.Node):
+                todo.append(a)
+            elif not is_number(a):
+                return None
+    if len(leaves) != 1:
+        return None
+    return _ordered(nodes), leaves.pop()
+
+
+def _evaluate(nodes: list[fx.Node], leaf: fx.Node, out: fx.Node, x: torch.Tensor):
+    env = {leaf: x}
+    for m in nodes:
+        args = fx.node.map_arg(m.args, env.__getitem__)
+        kwargs = fx.node.map_arg(m.kwargs, env.__getitem__)
+        if m.op == "call_method":
+            env[m] = getattr(args[0], m.target)(*args[1:], **kwargs)
+        else:
+            env[m] = m.target(*args, **kwargs)
+    return env[out]
+
+
+def _written_out_gelu(t: fx.Node):
+    """GELU written in pointwise ops around ``t`` (a tanh or erf): (nodes, x, out, approximate).
+
+    The candidate outputs are t's pointwise descendants (a few levels); the largest whose
+    pointwise cone has one tensor leaf and equals GELU numerically on [-6, 6] (fp64) wins."""
+    candidates, frontier = [], [t]
+    for _ in range(4):
+        frontier = [u for m in frontier for u in m.users if op(u) in POINTWISE]
+        candidates += frontier
+    best = None
+    for out in candidates:
+        cone = _pointwise_cone(out)
+        if cone is None or t not in cone[0]:
+            continue
+        nodes, leaf = cone
+        if not isinstance(leaf, fx.Node):
+            continue
+        try:
+            with torch.no_grad():
+                y = _evaluate(nodes, leaf, out, _PROBE)
+        except Exception:  # an op the probe cannot run: not a formula of one tensor
+            continue
+        for approx, ref in _GELU_REFS.items():
+            if isinstance(y, torch.Tensor) and y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-9, atol=1e-9):
+                if best is None or len(nodes) > len(best[0]):
+                    best = (nodes, leaf, out, approx)
+    return best
+
+
+def _bias_of(z: fx.Node, inside: list[fx.Node]):
+    """How the GELU input ``z`` adds a bias: (extra nodes, call, args, kwargs) or None."""
+    tz = tensor(z)
+    if tz is None or not only_users(z, set(inside)):
+        return None
+    h = tz.shape[-1]
+    if op(z) == "add":
+        for x, b in commuted(z):
+            if isinstance(x, fx.Node) and last_dim_vector(b, h) and same_shape(x, z) \
+                    and tensor(b).dtype == tz.dtype:
+                return [z], fn.bias_gelu, (x, b), {}
+    if op(z) == "linear" and arg(z, 2, "bias") is not None and last_dim_vector(arg(z, 2, "bias"), h):
+        return [z], fn.linear_bias_gelu, (arg(z, 0, "input"), arg(z, 1, "weight"), arg(z, 2, "bias")), {}
+    mm, shape = z, None
+    if op(z) == "view" and op(arg(z, 0)) == "addmm" and len(arg(z, 0).users) == 1:
+        mm = arg(z, 0)
+        shape = tuple(z.args[1]) if len(z.args) == 2 and isinstance(z.args[1], (tuple, list)) else tuple(z.args[1:])
+    if op(mm) == "addmm" and not mm.kwargs and len(mm.args) == 3 and last_dim_vector(mm.args[0], h) \
+            and tensor(mm.args[0]).dtype == tz.dtype:
+        nodes = [mm] if mm is z else [mm, z]
+        return nodes, fn.addmm_bias_gelu, (mm.args[0], mm.args[1], mm.args[2]), dict(shape=shape)
+    return None
+
+
+def find_bias_gelu(n: fx.Node, ctx: Context):
+    name = "bias_gelu"
+    if op(n) == "gelu":
+        z, approx = arg(n, 0, "input"), arg(n, 1, "approximate", "none")
+        if approx not in ("none", "tanh"):
+            return Skip(name, n, f"approximate={approx!r}")
+        nodes, out = [n], n
+    elif op(n) in ("tanh", "erf"):
+        found = _written_out_gelu(n)
+        if found is None:
+            return None  # a tanh/erf that is not GELU
+        nodes, z, out, approx = found
+        if not _whole(nodes, out):
+            return Skip(name, n, "GELU written out, but an intermediate is used by other ops")
+    else:
+        return None
+    tz, ty = tensor(z), tensor(out)
+    if tz is None or ty is None or tz.dtype not in FLOATS + (torch.float64,) or tuple(tz.shape) != tuple(ty.shape):
+        return Skip(name, n, "not a float tensor GELU")
+    bias = _bias_of(z, nodes)
+    if bias is None:
+        if op(n) == "gelu":
+            return None  # F.gelu without a bias: nothing to fuse
+        return Match(name, out, nodes, fn.bias_gelu, (z, None), dict(approximate=approx),
+                     "GELU written out in pointwise ops, no bias")
+    extra, call, args, kwargs = bias
+    return Match(name, out, _ordered(extra + nodes), call, args, dict(kwargs, approximate=approx))
+
+
+# -- RMSNorm written out --------------------------------------------------------------------
+def _last_dim(dim, ndim: int) -> bool:
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def find_rms_norm(n: fx.Node, ctx: Context):
+    """``w * (xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps)).to(x.dtype)`` with
+    ``xf = x.to(float32)`` (HF Llama/Mistral/Qwen), anchored at the rsqrt."""
+    name = "rms_norm"
+    if op(n) != "rsqrt":
+        return None
+    skip = lambda why: Skip(name, n, why)  # noqa: E731
+    ve = arg(n, 0, "input")
+    if op(ve) != "add":
+        return skip("rsqrt of something other than mean + eps")
+    v = eps = None
+    for a, c in commuted(ve):
+        if op(a) == "mean" and is_number(c):
+            v, eps = a, float(c)
+    if v is None or not eps > 0:
+        return skip("rsqrt of something other than mean + eps")
+    sq = arg(v, 0, "input")
+    tsq = tensor(sq)
+    if tsq is None or not _last_dim(arg(v, 1, "dim"), tsq.dim()) or arg(v, 2, "keepdim", False) is not True \
+            or arg(v, 3, "dtype") is not None:
+        return skip("mean over other dims than the last (keepdim)")
+    o = op(sq)
+    if o in ("pow",) and arg(sq, 1, "exponent") == 2:
+        xf = arg(sq, 0)
+    elif o == "square":
+        xf = arg(sq, 0)
+    elif o == "mul" and arg(sq, 0) is arg(sq, 1):
+        xf = arg(sq, 0)
+    else:
+        return skip("mean of something other than x**2")
+    if len(n.users) != 1:
+        return skip("rsqrt used twice")
+    y = next(iter(n.users))
+    if op(y) != "mul" or not any(a is xf and b is n for a, b in commuted(y)):
+        return skip("rsqrt(...) does not multiply x")
+    txf, ty = tensor(xf), tensor(y)
+    if txf is None or ty is None or txf.dtype not in (torch.float32, torch.float64) \
+            or tuple(ty.shape) != tuple(txf.shape):
+        return skip("statistics not in fp32")
+    up = is_cast_to(xf) and isinstance(arg(xf, 0), fx.Node)
+    x = arg(xf, 0) if up else xf
+    tx = tensor(x)
+    nodes = ([xf] if up else []) + [sq, v, ve, n, y]
+    out = y
+    users = list(y.users)
+    if len(users) == 1 and is_cast_to(users[0]):
+        out = users[0]
+        nodes.append(out)
+    if tensor(out).dtype != tx.dtype:
+        return skip(f"normalized values not cast back to the input dtype {tx.dtype}")
+    weight = None
+    users = list(out.users)
+    if len(users) == 1 and op(users[0]) == "mul":
+        for a, w in commuted(users[0]):
+            if a is out and isinstance(w, fx.Node) and last_dim_vector(w, txf.shape[-1]) \
+                    and same_shape(users[0], out):
+                weight, out = w, users[0]
+                nodes.append(out)
+                break
+    expect = torch.promote_types(tx.dtype, tensor(weight).dtype) if weight is not None else tx.dtype
+    if tensor(out).dtype != expect:
+        return skip("output dtype differs from the kernel's")
+    if not _whole(nodes, out):
+        return skip("an intermediate is used by other ops")
+    return Match(name, out, nodes, fn.rms_norm, (x, weight), dict(eps=eps))
+
+
+# -- LayerNorm ------------------------------------------------------------------------------
+def find_layer_norm(n: fx.Node, ctx: Context):
+    name = "layer_norm"
+    if op(n) != "layer_norm":
+        return None
+    x, shape = arg(n, 0, "input"), arg(n, 1, "normalized_shape")
+    w, b, eps = arg(n, 2, "weight"), arg(n, 3, "bias"), arg(n, 4, "eps", 1e-5)
+    tx = tensor(x)
+    if tx is None or tx.dtype not in FLOATS + (torch.float64,):
+        return Skip(name, n, "not a float tensor")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple)) else None
+    if shape is None or len(shape) != 1 or shape[0] != tx.shape[-1] or not is_number(eps):
+        return Skip(name, n, "normalizes over more than the last dim")
+    for p in (w, b):
+        if p is not None and not (last_dim_vector(p, tx.shape[-1]) and tensor(p).dtype in (tx.dtype, torch.float32)):
+            return Skip(name, n, "weight/bias shapes or dtypes")
+    return Match(name, n, [n], fn.layer_norm, (x, w, b), dict(eps=float(eps)))
+
+
+# -- dropout --------------------------------------------------------------------------------
+def find_dropout(n: fx.Node, ctx: Context):
+    name = "dropout"
+    if op(n) != "dropout":
+        return None
+    x, p = arg(n, 0, "input"), arg(n, 1, "p", 0.5)
+    training, inplace = arg(n, 2, "training", True), arg(n, 3, "inplace", False)
+    if not is_number(p) or training is not True or inplace is not False:
+        return None if training is False else Skip(name, n, "non-constant p/training, or in place")
+    if p == 0:
+        return None  # the identity: AOTAutograd drops it
+    if not 0 < p < 1:
+        return Skip(name, n, f"p={p}")
+    tx = tensor(x)
+    if tx is None or not tx.is_floating_point():
+        return Skip(name, n, "not a float tensor")
+    region = ctx.region.get(n)
+    if region is not None and region[1] != "different":
+        return Skip(name, n, f"inside vmap with randomness={region[1]!r} (seeded dropout draws "
+                             "a different mask per example)")
+    return Match(name, n, [n], fn.dropout, (x,), dict(p=float(p)))
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    Pattern("fused_linear_cross_entropy",
+            "F.cross_entropy(linear(h, W, b) [-> slice leading dims] [-> view/reshape/flatten] "
+            "[-> .float()], target, ignore_index, label_smoothing, reduction) (incl. HF's causal-LM "
+            "loss); inside vmap(grad): per-token losses reduced in the graph",
+            "fxmem::linear_cross_entropy (+ fxmem::linear_cross_entropy_backward per example "
+            "under vmap)", find_linear_cross_entropy),
+    Pattern("swiglu", "F.silu(gate) * up, same shapes and dtype", "fxmem::glu(silu) + fxmem::glu_backward",
+            _glu_finder("swiglu", ("silu",))),
+    Pattern("geglu", "F.gelu(gate, approximate) * up, same shapes and dtype",
+            "fxmem::glu(gelu | gelu_tanh) + fxmem::glu_backward", _glu_finder("geglu", ("gelu",))),
+    Pattern("bias_gelu",
+            "gelu(x + b), gelu(linear(x, W, b)), gelu(addmm(b, x, W)[.view]) with F.gelu or GELU "
+            "written out in pointwise ops (erf or GPT-2's tanh formula; also without a bias)",
+            "fxmem::bias_gelu + fxmem::bias_gelu_backward (the matmul keeps no bias)",
+            find_bias_gelu),
+    Pattern("rms_norm", "w * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype) "
+            "(HF Llama/Mistral/Qwen RMSNorm; weight optional)", "fxmem::rms_norm + fxmem::rms_norm_backward",
+            find_rms_norm),
+    Pattern("layer_norm", "F.layer_norm over the last dim", "fxmem::layer_norm + fxmem::layer_norm_backward",
+            find_layer_norm),
+    Pattern("dropout", "F.dropout(x, p > 0, training=True)", "fxmem::seeded_dropout (+ backward): "
+            "mask regenerated from a seed", find_dropout),
+)
+BY_NAME = {p.name: p for p in PATTERNS}
+assert set(BY_NAME) == set(LOWERING_PATTERNS), "fxmem.options.LOWERING_PATTERNS and the table disagree"
+
+
+def enabled(lowering) -> tuple[Pattern, ...]:
+    """The patterns an ``Options.lowering`` value turns on (a dict: names not listed stay on)."""
+    if lowering is True:
+        return PATTERNS
+    if lowering is False:
+        return ()
+    return tuple(p for p in PATTERNS if lowering.get(p.name, True))

@@ -1,0 +1,221 @@
+"""Ghost clipping inside per-example chunk graphs (fxmem/per_example/ghost.py): clipped sums equal
+an explicit per-example loop with ghost norms on (untied and tied weights, HF GPT-2 and Llama),
+ghost on equals ghost off, the mixed rule, decisions in the report, non-matching layers left
+alone, the non-finite fallback. Eager inner compiler, tiny models."""
+
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad
+
+import fxmem
+from fxmem.dpsgd import clipped_grad, make_functional
+from fxmem.report.render import per_example_lines
+
+RTOL = 1e-5
+
+
+def _opts(ghost: bool = True) -> dict:
+    return {"inner": "eager", "ghost_clipping": ghost}
+
+
+def _load_bench_models():
+    path = Path(__file__).resolve().parents[1] / "bench" / "dpsgd_models.py"
+    spec = importlib.util.spec_from_file_location("_bench_dpsgd_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+models = _load_bench_models()
+
+
+def reference(loss_fn, C, args, batch_argnums, argnum=0):
+    """sum_i min(1, C / ||g_i||) g_i over an explicit loop, norms in float64; and the norms."""
+    B = args[batch_argnums[0]].shape[0]
+    total, norms = None, []
+    for i in range(B):
+        one = [a[i] if k in batch_argnums else a for k, a in enumerate(args)]
+        g = grad(loss_fn, argnums=argnum)(*one)
+        norm = torch.sqrt(sum((v.double() ** 2).sum() for v in g.values()))
+        factor = min(1.0, C / norm.item())
+        total = {k: v.double() * factor for k, v in g.items()} if total is None else \
+            {k: total[k] + v.double() * factor for k, v in g.items()}
+        norms.append(norm)
+    return {k: v.float() for k, v in total.items()}, torch.stack(norms).float()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_close(got, want, rtol=RTOL):
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        assert rel_err(got[k], want[k]) <= rtol, f"{k}: relative error {rel_err(got[k], want[k]):.2e}"
+
+
+def median_C(loss, args, batch_argnums):
+    """A clipping norm with some examples clipped and some not."""
+    norms = reference(loss, 1.0, args, batch_argnums)[1]
+    return round(norms.median().item(), 4)
+
+
+def decisions(fn) -> list[dict]:
+    return [d.summary() for d in fn.plans[-1].ghost]
+
+
+# --- the bench GPT, untied and tied -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpt_ghost_matches_loop_and_ghost_off(tied):
+    model, params, ids, labels = models.gpt(vocab=40, d=8, layers=1, heads=2, seq=5, batch=5)
+    if tied:
+        model.head.weight = model.wte.weight
+        params = {k: v.detach() for k, v in model.named_parameters()}  # one entry for the tied pair
+    loss = models.per_example_loss(model)
+    C = median_C(loss, (params, ids, labels), (1, 2))
+    want, want_norms = reference(loss, C, (params, ids, labels), (1, 2))
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=3, return_norms=True, options=_opts())
+    grads, norms = fn(params, ids, labels)  # chunks of 3 and 2: two chunk graphs
+    assert_close(grads, want)
+    assert rel_err(norms, want_norms) <= RTOL
+    ds = decisions(fn)
+    ghost = {d["param"]: d for d in ds if d["choice"] == "ghost"}
+    assert "args_0_wte_weight" in ghost and "args_0_blocks_0_qkv_weight" in ghost, ds
+    if tied:
+        assert "tied" in ghost["args_0_wte_weight"]["kind"] and ghost["args_0_wte_weight"]["tokens"] == 10
+        assert "args_0_head_weight" not in ghost
+    else:
+        assert ghost["args_0_head_weight"]["kind"] == "linear"
+    off = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=3, options=_opts(False))
+    assert_close(grads, off(params, ids, labels), rtol=2e-6)
+    assert off.plans[-1].ghost == []
+
+
+# --- Hugging Face models from configs -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("builder", ["hf_gpt2", "hf_llama"])
+def test_hf_models_ghost_matches_loop(builder):
+    from fxmem.models import build
+
+    w = build(builder, batch=4, seq=6, vocab=48, d=16, layers=1, heads=2)
+    model = w.model
+    model.set_attn_implementation("eager")
+    fn, trainable, frozen = make_functional(model)
+
+    def loss(tr, fr, ids, labels):
+        return fn(tr, fr, input_ids=ids[None], labels=labels[None]).loss
+
+    ids, labels = w.batch["input_ids"], w.batch["labels"]
+    C = 1.5
+    want, want_norms = reference(loss, C, (trainable, frozen, ids, labels), (2, 3))
+    clipped = clipped_grad(loss, C, batch_argnums=(2, 3), microbatch_size=4, return_norms=True, options=_opts())
+    grads, norms = clipped(trainable, frozen, ids, labels)
+    assert_close(grads, want)
+    assert rel_err(norms, want_norms) <= RTOL
+    ds = decisions(clipped)
+    assert all(d["choice"] == "ghost" for d in ds), ds
+    kinds = {d["param"]: d["kind"] for d in ds}
+    if builder == "hf_gpt2":  # wte tied to lm_head: one leaf, both uses, cross terms
+        assert "tied" in kinds["args_0_transformer_wte_weight"]
+        assert kinds["args_0_transformer_wpe_weight"] == "embedding"
+        assert kinds["args_0_transformer_h_0_attn_c_attn_weight"] == "linear"  # Conv1D: x @ W
+    else:
+        assert kinds["args_0_model_embed_tokens_weight"] == "embedding"
+        assert kinds["args_0_lm_head_weight"] == "linear"
+        assert kinds["args_0_model_layers_0_self_attn_q_proj_weight"] == "linear"
+
+
+# --- the mixed rule, 2-D inputs, layers it does not know ----------------------------------------
+
+
+class Mixed(nn.Module):
+    """Sequence input [T, 4]: a 4 -> 3 layer (P*Q = 12 < 2 T^2: materialized), a 3 -> 40 layer
+    without bias (ghost), then a per-example-vector head (T = 1: ghost), and a Conv1d (not a
+    linear or embedding: left alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Linear(4, 3)
+        self.wide = nn.Linear(3, 40, bias=False)
+        self.conv = nn.Conv1d(40, 6, 3, padding=1)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.wide(torch.tanh(self.small(x))))          # [T, 40]
+        h = self.conv(h.t()[None])[0].mean(1)                         # [6]
+        return F.cross_entropy(self.head(h)[None], y[None])
+
+
+def test_mixed_rule_two_dim_inputs_and_unknown_layers():
+    torch.manual_seed(0)
+    model = Mixed()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(6, 5, 4), torch.randint(0, 5, (6,))
+
+    def loss(p, x, y):
+        return functional_call(model, p, (x, y))
+
+    C = median_C(loss, (params, x, y), (1, 2))
+    want, _ = reference(loss, C, (params, x, y), (1, 2))
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=4, options=_opts())
+    assert_close(fn(params, x, y), want)
+    ds = {d["param"]: d for d in decisions(fn)}
+    small, wide, head = ds["args_0_small_weight"], ds["args_0_wide_weight"], ds["args_0_head_weight"]
+    assert small["choice"] == "materialize" and small["tokens"] == 5 and "2*T^2 = 50 > P*Q = 12" in small["reason"]
+    assert wide["choice"] == "ghost" and wide["shape"] == (40, 3)
+    assert head["choice"] == "ghost" and head["tokens"] == 1
+    conv = [d for d in ds.values() if d["shape"] == (6, 40, 3)]
+    assert len(conv) == 1 and conv[0]["choice"] == "materialize" and conv[0]["kind"] == "other"
+
+
+def test_report_records_each_decision():
+    model, params, ids, labels = models.gpt(vocab=40, d=8, layers=1, heads=2, seq=5, batch=4)
+    loss = models.per_example_loss(model)
+    fn = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size=4, options=_opts())
+    fn(params, ids, labels)
+    summary = fn.plans[-1].summary()
+    assert len(summary["ghost"]) == 7  # wte, wpe, qkv, proj, fc, out, head
+    text = "\n".join(per_example_lines([summary]))
+    # wpe: [5, 8] with T = 5 positions: 2*T^2 = 50 > 40, cheaper to materialize
+    assert "ghost clipping: 6 of 7 per-example weight gradients never materialized" in text
+    assert "args_0_wpe_weight (embedding, 5x8, T=5): materialize (2*T^2 = 50 > P*Q = 40" in text
+    assert "args_0_head_weight (linear, 40x8, T=5): ghost (2*T^2 = 50 <= P*Q = 320)" in text
+    rep = fxmem.report()
+    assert rep.per_example[-1]["ghost"] == summary["ghost"]
+    assert "ghost clipping" in str(rep)
+
+
+# --- non-finite values: the chunk reruns with materialized gradients -----------------------------
+
+
+def test_nonfinite_chunk_falls_back_to_materialized(caplog):
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(4, 8), nn.Linear(8, 3)
+    params = {"w1": lin1.weight.detach(), "b1": lin1.bias.detach(), "w2": lin2.weight.detach()}
+
+    def loss(p, x):
+        h = torch.tanh(x @ p["w1"].t() + p["b1"])   # [T, 8]
+        return (h @ p["w2"].t()).square().mean()
+
+    x = torch.randn(6, 2, 4)
+    x[4, 1, 2] = float("inf")   # example 4: the w1 gradient has inf/nan elements (nan_to_num -> 0)
+    got = clipped_grad(loss, 1.0, microbatch_size=3, options=_opts())
+    with caplog.at_level(logging.WARNING, logger="fxmem"):
+        g_on = got(params, x)
+    off = clipped_grad(loss, 1.0, microbatch_size=3, options=_opts(False))(params, x)
+    assert any(d.choice == "ghost" for d in got.plans[-1].ghost)
+    assert all(torch.isfinite(v).all() for v in g_on.values())
+    assert_close(g_on, off, rtol=1e-6)
+    assert "rerunning it with materialized per-example gradients" in caplog.text
