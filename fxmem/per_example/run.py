@@ -52,6 +52,31 @@ class ChunkPlan:
                     ghost=[d.summary() for d in self.ghost])
 
 
+def _interpolate(points: dict[int, int], m: int) -> int:
+    """Peak at m from measured ``points``: exact where measured, else on the line through the
+    two nearest measured sizes."""
+    if m in points:
+        return points[m]
+    near = sorted(points, key=lambda k: (abs(k - m), k))[:2]
+    if len(near) < 2:
+        return points[near[0]]
+    (m1, p1), (m2, p2) = sorted((k, points[k]) for k in near)
+    return int(p1 + (p2 - p1) * (m - m1) / (m2 - m1))
+
+
+def _solve(points: dict[int, int], budget: int) -> int:
+    """The largest m the line through the measurements around the budget says fits."""
+    below = max((m for m, p in points.items() if p <= budget), default=1)
+    above = [m for m, p in points.items() if p > budget]
+    m2 = min(above) if above else max(points)
+    m1 = below if m2 != below else min(points)
+    if m1 == m2:
+        return below + 1
+    p1, p2 = points[m1], points[m2]
+    slope = (p2 - p1) / (m2 - m1)
+    return int(m1 + (budget - p1) // slope) if slope > 0 else 1 << 30
+
+
 def _signature(inputs: list) -> tuple:
     return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in inputs)
 
@@ -99,27 +124,35 @@ class ChunkedStep:
         return torch.device("cpu")
 
     def _choose(self, env: dict) -> int:
+        """The largest m whose measured step peak fits the budget, with m + 1 measured over it
+        (or m = the batch). Peaks are measured (exact) at a few sizes; the next size to try is
+        read off the line through the nearest measurements (peaks grow about linearly in m, but
+        not exactly: ghost norms and allocator effects bend the line), then bracketed."""
         plan, B = self.plan, self._batch(env)
         budget = plan.memory_budget
-        m1, m2 = 1, min(B, 4)
-        p1 = self._step_peak(env, m1, self._measure_compile)
-        p2 = self._step_peak(env, m2, self._measure_compile) if m2 > m1 else p1
-        slope = max(0.0, (p2 - p1) / (m2 - m1)) if m2 > m1 else 0.0
-        plan.measured.update({m1: p1, m2: p2})
-        plan.predicted_peak = lambda m, a=p1 - slope * m1, b=slope: int(a + b * m)
-        if p1 > budget:
+
+        def measure(m: int) -> int:
+            if m not in plan.measured:
+                plan.measured[m] = self._step_peak(env, m, self._measure_compile)
+            return plan.measured[m]
+
+        plan.predicted_peak = lambda m: _interpolate(plan.measured, m)
+        if measure(1) > budget:
             raise MemoryError(f"fxmem: memory_budget {budget} bytes is below the peak of one example "
-                              f"at a time ({p1} bytes measured); the smallest feasible budget is {p1}")
-        m = max(1, min(B, int((budget - (p1 - slope * m1)) // slope) if slope > 0 else B))
-        while m > 1:
-            peak = plan.measured.get(m) or self._step_peak(env, m, self._measure_compile)
-            plan.measured[m] = peak
-            if peak <= budget:
+                              f"at a time ({plan.measured[1]} bytes measured); the smallest feasible "
+                              f"budget is {plan.measured[1]}")
+        measure(min(B, 4))
+        while True:
+            fits = [m for m, p in plan.measured.items() if p <= budget]
+            over = [m for m, p in plan.measured.items() if p > budget]
+            lo, hi = max(fits), min(over, default=B + 1)
+            if hi - lo <= 1:
                 break
-            m -= 1
+            guess = _solve(plan.measured, budget)  # where the line through the nearest points crosses
+            measure(min(max(guess, lo + 1), hi - 1))
         log.info("fxmem per-example: microbatch_size=auto chose %d of %d (budget %d bytes, "
-                 "measured peak %d)", m, B, budget, plan.measured.get(m, p1))
-        return m
+                 "measured peak %d)", lo, B, budget, plan.measured[lo])
+        return lo
 
     def _batch(self, env: dict) -> int:
         """This call's batch size, read off a batched input (dynamic graphs vary it)."""
