@@ -21,7 +21,7 @@ def _loss(model):
 
 @given(model_specs(max_blocks=2, dropout=False), st.integers(2, 6), st.sampled_from([None, 1, 2, 3]),
        st.sampled_from([0.05, 1.0]), st.booleans())
-@settings(max_examples=examples(10, 150))
+@settings(max_examples=examples(10, 100))
 def test_clipped_sums_equal_the_loop_and_removal_moves_them_by_at_most_c(spec, batch, m, c, ghost):
     model, inputs = build(replace(spec, batch=batch))
     params = {k: v.detach() for k, v in model.named_parameters()}

@@ -32,7 +32,7 @@ def _check(spec, opts, **kwargs):
                    hidden=24, heads=1, residual=False, dropout=0.2, batch=3, seq=4),
          {"level": 1, "memory_budget": 0.5})
 @given(model_specs(), options())
-@settings(max_examples=examples(15, 300))
+@settings(max_examples=examples(15, 200))
 def test_gradients_and_saved_bytes_match(spec, opts):
     check = _check(spec, opts)
     assert check.held_bytes == check.planned_saved_bytes[0]
@@ -41,7 +41,7 @@ def test_gradients_and_saved_bytes_match(spec, opts):
 # Regression: Dynamo's TensorifyScalarRestartAnalysis (control flow) was taken for a stage failure.
 @example(ModelSpec(vocab=16, d=4, blocks=("mlp",), hidden=8, heads=1, residual=False, batch=1, seq=4), (2, 4))
 @given(model_specs(dropout=False), st.sampled_from([(2, 4), (3, 7)]))
-@settings(max_examples=examples(5, 50))
+@settings(max_examples=examples(5, 30))
 def test_dynamic_shapes_formulas_equal_measured_bytes_at_each_shape(spec, shape):
     """One dynamic compile; the saved-bytes formula evaluated at the run's shape is what autograd holds."""
     from dataclasses import replace
@@ -64,7 +64,7 @@ def _peak(spec, opts):
 
 
 @given(model_specs(dropout=False))
-@settings(max_examples=examples(5, 50))
+@settings(max_examples=examples(5, 30))
 def test_measured_peak_never_rises_as_the_budget_falls(spec):
     peaks = []
     for budget in (1.0, 0.8, 0.5, 0.2):
