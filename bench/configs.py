@@ -20,11 +20,24 @@ Adding a configuration is one line in CONFIGS (or ``register(...)``), e.g.
 and any configuration can be varied on the command line without registering it:
 ``--configs 'fxmem-eager:{"level":1}'`` merges the JSON object into the options of
 ``fxmem-eager`` (the result row is named by the whole spec).
+
+The ``fxmem`` kind also takes ``"loss_only": true`` (a benchmark setting, not an fxmem option):
+it compiles a wrapper whose ``forward`` returns only ``model(**batch).loss``, so the compiled
+graph does not return the logits (an HF model returns them; a lowered loss that must still
+produce them for the output keeps them, and AOTAutograd materializes a zero gradient for them).
+
+Model shapes can be overridden for a whole run with the environment variable
+``FXMEM_BENCH_MODEL_KWARGS`` (a JSON object merged into every model's keyword arguments; the
+result JSON records the shapes used), e.g. the lowering run at vocab 32768:
+
+    FXMEM_BENCH_MODEL_KWARGS='{"vocab": 32768}' python bench/run.py --name lowering \
+        --models hf_gpt2,hf_llama --configs eager,fxmem-eager+loss_only,...
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -42,10 +55,24 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
 DEFAULT_MODELS = ("hf_gpt2", "hf_llama", "mlp_chain")
 
 
+ENV_MODEL_KWARGS = "FXMEM_BENCH_MODEL_KWARGS"
+
+
 def model_kwargs(model: str, quick: bool) -> dict[str, Any]:
+    """The model's keyword arguments, with ``$FXMEM_BENCH_MODEL_KWARGS`` (a JSON object) merged in."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
-    return dict(MODELS[model]["quick" if quick else "full"])
+    kwargs = dict(MODELS[model]["quick" if quick else "full"])
+    extra = os.environ.get(ENV_MODEL_KWARGS, "").strip()
+    if extra:
+        try:
+            override = json.loads(extra)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV_MODEL_KWARGS} must be a JSON object ({e})") from None
+        if not isinstance(override, dict):
+            raise ValueError(f"{ENV_MODEL_KWARGS} must be a JSON object, got {extra!r}")
+        kwargs.update(override)
+    return kwargs
 
 
 # --- configurations ------------------------------------------------------------------------
@@ -119,12 +146,39 @@ def _inductor(model, cfg: Config):
     return torch.compile(model, backend="inductor", options=opts or None)
 
 
+class _LossOutput:
+    """What the worker's ``wl.loss`` reads from an HF model's output: ``.loss``."""
+
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def _loss_only(model):
+    import torch
+
+    class LossOnly(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, **batch):
+            return self.m(**batch).loss
+
+    return LossOnly(model)
+
+
 def _fxmem(model, cfg: Config):
     import torch
 
     import fxmem  # noqa: F401  (registers the backend even without the entry point)
 
-    return torch.compile(model, backend="fxmem", options=dict(cfg.options))
+    opts = dict(cfg.options)
+    if opts.pop("loss_only", False):
+        if not hasattr(model, "loss_function"):
+            raise Skip("loss_only applies to Hugging Face models (the others return only their loss)")
+        compiled = torch.compile(_loss_only(model), backend="fxmem", options=opts)
+        return lambda **batch: _LossOutput(compiled(**batch))
+    return torch.compile(model, backend="fxmem", options=opts)
 
 
 KINDS: dict[str, Callable[[Any, Config], Any]] = {
@@ -158,6 +212,20 @@ CONFIGS: list[Config] = [
     Config("fxmem-inductor-level1", "fxmem", {"inner": "inductor", "level": 1},
            description="fxmem level 1 (layerwise recompute), Inductor inner compiler"),
 ]
+# Pattern lowering (issue "[lowering]"): the same fxmem configuration with and without fused
+# kernels; "+loss_only" compiles the model returning only its loss (see the module docstring).
+for _inner in ("eager", "inductor"):
+    for _lvl, _lname in ((0, ""), (1, "-level1")):
+        _base = {"inner": _inner, **({"level": 1} if _lvl else {})}
+        _what = f"fxmem{_lname}, {_inner} inner compiler"
+        CONFIGS.append(Config(f"fxmem-{_inner}{_lname}+loss_only", "fxmem", {**_base, "loss_only": True},
+                              description=f"{_what}, no lowering, model returns only its loss"))
+        CONFIGS.append(Config(f"fxmem-{_inner}{_lname}+lowering+loss_only", "fxmem",
+                              {**_base, "lowering": True, "loss_only": True},
+                              description=f"{_what}, every lowering pattern, model returns only its loss"))
+    CONFIGS.append(Config(f"fxmem-{_inner}+lowering", "fxmem", {"inner": _inner, "lowering": True},
+                          description=f"fxmem, {_inner} inner compiler, every lowering pattern "
+                                      "(the HF model also returns its logits)"))
 # Budget sweeps. fxmem's ``memory_budget`` as a float is a fraction of level 0's saved bytes;
 # Inductor's ``activation_memory_budget`` a fraction of its min-cut plan's. A fxmem budget below
 # its feasible floor fails at compile time (the result's status is then "infeasible").

@@ -5,14 +5,20 @@ each by a call of a fused ``fxmem_kernels`` kernel, before AOTAutograd different
     ...
     lowered.attach(partitioner)                         # the rows go into the memory report
 
+``options.lowering``: True (every pattern), False (none; the default, see fxmem/options.py for
+why), or a dict pattern -> bool in which patterns not named stay on. ``lower`` works on a copy:
+the graph it was given stays as it was, for a fallback compile. The kernels run with
+``impl="auto"``: Triton on CUDA tensors, their portable PyTorch implementation on CPU.
+
 Why the Dynamo (torch-level) graph and not the joint aten graph
 ----------------------------------------------------------------
 A pattern is replaced by a call of the kernel's autograd API (``fxmem_kernels.layer_norm``, ...,
 see :mod:`.functions`); AOTAutograd then traces that call like any other, so its joint graph
 holds the fused forward op and, from the Function's backward, the fused backward op, and the
-planner sizes and places them like every other node (custom ops are never recomputed, so what
-they return is what is kept: their true saved bytes). Checked with torch 2.13 (tests/test_lowering.py
-asserts it on every run):
+planner sizes and places them like every other node (what a custom op returns and the backward
+reads is kept: the fused ops' true saved bytes; tests/test_lowering.py checks that the planned
+saved bytes equal what autograd holds). Checked with torch 2.13 before choosing (and asserted by
+tests/test_lowering.py on every run):
 
 - plain training: a ``call_function`` node calling an ``autograd.Function`` that Dynamo never saw
   is traced by AOTAutograd into the joint graph as ``fxmem::<op>`` in the forward and
@@ -29,12 +35,22 @@ Matching the torch-level graph sees one node per ``F.cross_entropy``/``F.layer_n
 its arguments as written, in plain training and inside vmap regions alike; the joint graph would
 need a forward pattern and a backward pattern per kernel, in two spellings (the joint graph and
 the flat vmap graph, where the backward is explicit batched aten ops after decomposition), and a
-rewrite that keeps forward and backward consistent. The cost of this route: the fused ops exist
-only from AOTAutograd on, so a pattern Dynamo cannot see (e.g. the dropout inside
-``scaled_dot_product_attention``) cannot be lowered, and a custom ``torch.autograd.Function``
-in the user's code is left alone. One Function is ours: under ``vmap`` the kernel's own cross-
-entropy API runs its per-example loop in Python (which AOTAutograd cannot trace), so inside vmap
+rewrite that keeps forward and backward consistent. The cost of this route: a pattern Dynamo
+cannot see (e.g. the dropout inside ``scaled_dot_product_attention``) cannot be lowered, and a
+custom ``torch.autograd.Function`` in the user's code is left alone. One Function is ours: under
+``vmap`` the kernel's own cross-entropy API runs a per-example loop that calls its Python
+implementation (AOTAutograd cannot trace it: its target check reads a value), so inside vmap
 regions the loss goes through per-token losses and :class:`functions._RowsLCEBackward`.
+
+Where it runs: ``backend._compile``, i.e. every graph compiled without per-example chunking. A
+vmap region that ``fxmem.per_example`` compiles itself (``microbatch_size`` set, or
+``ghost_clipping`` on, the default) goes through ``per_example.remat.compile_chunk``, which does
+not call :func:`lower` yet.
+
+The logits: an HF causal LM returns its logits as well as the loss. The loss is lowered anyway;
+the logits stay computed (by the original ``linear``) for the output, and AOTAutograd gives
+them a zero gradient in backward (a logits-sized buffer and a matmul of zeros). Compile a
+module that returns only the loss to have neither (bench/results/lowering.md shows both).
 
 Bytes saved per lowering are what autograd keeps for backward from the matched subgraph minus
 what the fused call keeps, on meta tensors at the compiled shape (:mod:`.savings`).
@@ -141,7 +157,11 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx
         for node in list(graph.nodes):
             if node in erased:
                 continue
-            found = pattern.find(node, ctx)
+            try:
+                found = pattern.find(node, ctx)
+            except Exception as e:  # a finder's bug must not break a compile: leave the node alone
+                log.debug("fxmem lowering: %s finder failed at %s", pattern.name, node.name, exc_info=True)
+                found = Skip(pattern.name, node, f"matcher error ({type(e).__name__}: {e})")
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
             elif isinstance(found, Match):

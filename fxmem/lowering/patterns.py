@@ -215,25 +215,40 @@ _PROBE = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
 _GELU_REFS = {a: F.gelu(_PROBE, approximate=a) for a in ("none", "tanh")}
 
 
-def _pointwise_cone(out: fx.Node, limit: int = 16) -> tuple[list[fx.Node], Any] | None:
-    """The pointwise ops ``out`` is computed by from a single tensor leaf: (nodes, leaf)."""
+def _pointwise_cone(out: fx.Node, stop: Any = None, limit: int = 16):
+    """The pointwise ops ``out`` is computed by, walking up to ``stop`` (or to non-pointwise
+    nodes): (nodes, leaves) with Python numbers not counted as leaves; None if too large."""
     nodes, leaves, todo = set(), set(), [out]
     while todo:
         m = todo.pop()
-        if m in nodes:
+        if m in nodes or m in leaves:
             continue
-        if op(m) not in POINTWISE or len(nodes) >= limit:
+        if m is stop or op(m) not in POINTWISE:
             leaves.add(m)
             continue
+        if len(nodes) >= limit:
+            return None
         nodes.add(m)
         for a in list(m.args) + list(m.kwargs.values()):
             if isinstance(a, fx.Node):
                 todo.append(a)
             elif not is_number(a):
                 return None
-    if len(leaves) != 1:
+    return _ordered(nodes), leaves
+
+
+def _formula_of_one(out: fx.Node):
+    """``out`` as pointwise ops of a single tensor ``x``: (nodes, x), taking the ``x`` closest
+    to ``out`` (so that ``gelu(h + b)`` written out yields ``x = h + b``)."""
+    full = _pointwise_cone(out)
+    if full is None:
         return None
-    return _ordered(nodes), leaves.pop()
+    nodes, leaves = full
+    for x in [*reversed(nodes[:-1]), *leaves]:
+        cone = _pointwise_cone(out, stop=x)
+        if cone is not None and cone[1] == {x}:
+            return cone[0], x
+    return None
 
 
 def _evaluate(nodes: list[fx.Node], leaf: fx.Node, out: fx.Node, x: torch.Tensor):
@@ -251,20 +266,18 @@ def _evaluate(nodes: list[fx.Node], leaf: fx.Node, out: fx.Node, x: torch.Tensor
 def _written_out_gelu(t: fx.Node):
     """GELU written in pointwise ops around ``t`` (a tanh or erf): (nodes, x, out, approximate).
 
-    The candidate outputs are t's pointwise descendants (a few levels); the largest whose
-    pointwise cone has one tensor leaf and equals GELU numerically on [-6, 6] (fp64) wins."""
+    The candidate outputs are t's pointwise descendants (a few levels); the largest that is a
+    formula of one tensor and equals GELU numerically on [-6, 6] (fp64) wins."""
     candidates, frontier = [], [t]
     for _ in range(4):
         frontier = [u for m in frontier for u in m.users if op(u) in POINTWISE]
         candidates += frontier
     best = None
     for out in candidates:
-        cone = _pointwise_cone(out)
-        if cone is None or t not in cone[0]:
+        found = _formula_of_one(out)
+        if found is None or t not in found[0] or not isinstance(found[1], fx.Node):
             continue
-        nodes, leaf = cone
-        if not isinstance(leaf, fx.Node):
-            continue
+        nodes, leaf = found
         try:
             with torch.no_grad():
                 y = _evaluate(nodes, leaf, out, _PROBE)

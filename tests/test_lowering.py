@@ -1,0 +1,303 @@
+"""Pattern lowering (fxmem.lowering): real models' patterns become fxmem_kernels ops in the joint
+graph and in vmap(grad) flat graphs; losses and gradients equal eager / the unlowered graph; the
+report lists each lowering with the bytes it saves; options turn patterns off; partial matches
+are left alone."""
+import copy
+import gc
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+import fxmem
+from fxmem import inner
+from fxmem.backend import COMPILES
+from fxmem.lowering import PATTERNS
+from fxmem.models import build
+from fxmem.options import LOWERING_PATTERNS, OptionError
+from fxmem.profiling import step_perf
+from fxmem.testing import assert_same_training_step
+
+HF = dict(batch=2, seq=16, vocab=96, d=32, layers=2, heads=2)
+ON = {"inner": "eager", "lowering": True}
+COUNTS = {
+    "hf_gpt2": {"fused_linear_cross_entropy": 1, "bias_gelu": 2, "layer_norm": 5},
+    "hf_llama": {"fused_linear_cross_entropy": 1, "swiglu": 2, "rms_norm": 5},
+}
+FUSED = {  # forward ops in the forward graph, backward ops in the backward graph
+    "hf_gpt2": ({"linear_cross_entropy", "bias_gelu", "layer_norm"}, {"bias_gelu_backward", "layer_norm_backward"}),
+    "hf_llama": ({"linear_cross_entropy", "glu", "rms_norm"}, {"glu_backward", "rms_norm_backward"}),
+}
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _fused_ops(gm) -> set[str]:
+    return {str(n.target).split(".")[1] for n in gm.graph.nodes if str(n.target).startswith("fxmem.")}
+
+
+def _counts(graph_report) -> dict[str, int]:
+    return {r.pattern: r.count for r in graph_report.lowerings}
+
+
+def _step(model, batch, loss=lambda out: out.loss):
+    out = model(**batch)
+    value = loss(out)
+    value.backward()
+    return out, value
+
+
+class LossOnly(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, **batch):
+        return self.m(**batch).loss
+
+
+def test_table_and_options_agree():
+    assert sorted(p.name for p in PATTERNS) == sorted(LOWERING_PATTERNS)
+    assert all(p.matches and p.replacement for p in PATTERNS)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_hf_training_step_lowers_every_pattern_and_equals_eager(name):
+    w = build(name, **HF)
+    ref_model, model = w.model, copy.deepcopy(w.model)
+    ref_out, ref = _step(ref_model, w.batch)
+    compiled = torch.compile(model, backend="fxmem", options=ON)
+    out, loss = _step(compiled, w.batch)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    for (k, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-4, k
+    torch.testing.assert_close(out.logits, ref_out.logits)  # still returned, still the same
+    g = fxmem.report(compiled).graphs[-1]
+    assert _counts(g) == COUNTS[name]
+    lce = next(r for r in g.lowerings if r.pattern == "fused_linear_cross_entropy")
+    assert any("graph output" in n for n in lce.notes)  # the logits are kept for the output
+    split = COMPILES[-1].splits[-1]
+    fw_ops, bw_ops = FUSED[name]
+    assert fw_ops <= _fused_ops(split.fw) and bw_ops <= _fused_ops(split.bw)
+    assert not any("log_softmax" in str(n.target) for n in [*split.fw.graph.nodes, *split.bw.graph.nodes])
+    text = str(fxmem.report(compiled))
+    assert "lowered pattern" in text and "fused_linear_cross_entropy" in text
+
+
+def test_loss_only_never_materializes_logits_and_lowers_the_peak(monkeypatch):
+    """The model compiled to return its loss only: no [tokens, vocab] tensor exists in either
+    graph and the measured step peak falls by more than the logits' size."""
+    from fxmem.lowering import functions
+
+    monkeypatch.setattr(functions, "workspace_bytes", lambda vocab: 16 * 4 * vocab)  # 16-row chunks
+    kw = dict(batch=2, seq=32, vocab=4096, d=32, layers=1, heads=2)
+    w = build("hf_llama", **kw)
+    tokens, vocab = kw["batch"] * kw["seq"], kw["vocab"]
+    peaks, losses = {}, {}
+    for lowering in (False, True):
+        torch._dynamo.reset()
+        model = copy.deepcopy(w.model)
+        compiled = torch.compile(LossOnly(model), backend="fxmem", options={"inner": "eager", "lowering": lowering})
+        compiled(**w.batch).backward()  # compile + warm-up
+        model.zero_grad(set_to_none=True)
+        gc.collect()  # nothing from the warm-up step may be freed during the measured one
+        with step_perf("cpu") as perf:
+            loss = compiled(**w.batch)
+            loss.backward()
+        peaks[lowering], losses[lowering] = perf.result.peak_bytes, loss.item()
+        split = COMPILES[-1].splits[-1]
+        logits_sized = [n.name for n in [*split.fw.graph.nodes, *split.bw.graph.nodes]
+                        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() == tokens * vocab]
+        assert bool(logits_sized) != lowering, logits_sized
+    assert abs(losses[True] - losses[False]) <= 1e-5 * abs(losses[False])
+    # unlowered: logits, then log-probabilities and their gradient live at once (4 B x tokens x
+    # vocab each); lowered: one 16-row chunk of logits at a time
+    assert peaks[True] <= peaks[False] - 4 * tokens * vocab, peaks
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_per_example_gradients_get_fused_cross_entropy_and_norms(name, monkeypatch):
+    """vmap(grad(...)) over per-example HF losses (batch 8): the flat graph holds the fused
+    cross-entropy (forward op once, backward op per example) and the fused norms; per-example
+    gradients equal the unlowered graph's."""
+    w = build(name, batch=8, seq=8, vocab=64, d=16, layers=1, heads=2)
+    params = {k: v.detach() for k, v in w.model.named_parameters()}
+    ids, labels = w.batch["input_ids"], w.batch["labels"]
+
+    def loss(p, i, t):
+        return functional_call(w.model, p, (), {"input_ids": i[None], "labels": t[None]}).loss
+
+    per_example = vmap(grad(loss), in_dims=(None, 0, 0))
+    graphs, real = [], inner.eager
+    monkeypatch.setattr(inner, "eager", lambda gm, ins: (graphs.append(gm), real(gm, ins))[1])
+    # ghost_clipping off: the region compiles in backend._compile (with ghost clipping on, vmap
+    # regions go through per_example's chunk compiler, which does not lower patterns yet)
+    opts = {"inner": "eager", "ghost_clipping": False}
+    ref = torch.compile(per_example, backend="fxmem", options=opts)(params, ids, labels)
+    assert not _fused_ops(graphs[-1])
+    torch._dynamo.reset()
+    out = torch.compile(per_example, backend="fxmem", options={**opts, "lowering": True})(params, ids, labels)
+    for k in ref:
+        assert out[k].shape == (8, *params[k].shape)
+        assert _rel(out[k], ref[k]) <= 1e-4, k
+    ops = _fused_ops(graphs[-1])
+    norm = "layer_norm" if name == "hf_gpt2" else "rms_norm"
+    assert {"linear_cross_entropy", "linear_cross_entropy_backward", norm, f"{norm}_backward"} <= ops
+    n_bwd = sum(str(n.target).startswith("fxmem.linear_cross_entropy_backward") for n in graphs[-1].graph.nodes)
+    assert n_bwd == 8  # one per example: per-example weight gradients
+    rows = fxmem.report().unplanned_lowerings[-1]["rows"]  # no outer backward: nothing planned
+    counts = {r["pattern"]: r["count"] for r in rows}
+    assert counts["fused_linear_cross_entropy"] == 1 and counts[norm] == 3
+    assert all(any("vmap" in n for n in r["notes"]) for r in rows)
+
+
+class Mixed(nn.Module):
+    """Patterns in other spellings: RMSNorm without casts, GeGLU (tanh), GELU written out with
+    erf after a bias add, sliced logits, cross-entropy with ignore_index/label smoothing/reduction."""
+
+    def __init__(self, d=16, vocab=40, reduction="mean", smoothing=0.0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.gate, self.up = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False)
+        self.down, self.b = nn.Linear(2 * d, d, bias=False), nn.Parameter(0.1 * torch.randn(d))
+        self.w, self.head = nn.Parameter(1 + 0.1 * torch.randn(d)), nn.Linear(d, vocab)
+        self.reduction, self.smoothing = reduction, smoothing
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        x = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5) * self.w
+        y = F.gelu(self.gate(x), approximate="tanh") * self.up(x)
+        z = self.down(y) + self.b
+        z = z * 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
+        logits = self.head(z)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                               ignore_index=3, reduction=self.reduction, label_smoothing=self.smoothing)
+
+
+@pytest.mark.parametrize("reduction, smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.0)])
+def test_other_spellings_lowered_and_equal_eager(reduction, smoothing):
+    torch.manual_seed(0)
+    model, ids = Mixed(reduction=reduction, smoothing=smoothing), torch.randint(0, 40, (3, 9))
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(ids, ids)
+    ref.sum().backward()
+    compiled = torch.compile(model, backend="fxmem", options=ON)
+    out = compiled(ids, ids)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-4
+    assert _counts(fxmem.report(compiled).graphs[-1]) == {
+        "fused_linear_cross_entropy": 1, "geglu": 1, "bias_gelu": 1, "rms_norm": 1}
+
+
+def test_saved_bytes_in_the_report_are_exact_and_the_plan_matches_autograd():
+    """bytes saved per pattern = what autograd keeps for the unfused pattern minus the fused one:
+    RMSNorm keeps its normalized output (tokens x hidden fp32) unfused, SwiGLU silu(gate)
+    (tokens x intermediate); the fused cross-entropy drops the log-probabilities (tokens x
+    vocab) and keeps the per-row log-sum-exp and the gradients of hidden and weight."""
+    w = build("hf_llama", **HF)
+    check = assert_same_training_step(LossOnly(w.model), w.batch, ON)
+    assert check.held_bytes == check.planned_saved_bytes[0]  # the planner knows the fused ops' bytes
+    g = fxmem.report().graphs[-1]
+    rows = {r.pattern: r for r in g.lowerings}
+    n, d, v = HF["batch"] * HF["seq"], HF["d"], HF["vocab"]
+    assert rows["rms_norm"].bytes_saved == 5 * n * d * 4
+    assert rows["swiglu"].bytes_saved == 2 * n * 4 * d * 4
+    lce = rows["fused_linear_cross_entropy"].bytes_saved
+    assert abs(lce - (n * v * 4 - n * 4 - n * d * 4 - v * d * 4)) <= 8, lce  # (+ nll's 4-byte total weight)
+    back = fxmem.MemoryReport.from_json(fxmem.report().to_json())
+    assert back.graphs[-1].lowerings == g.lowerings
+
+
+def test_options_turn_patterns_off():
+    w = build("hf_llama", **HF)
+    ref = w.loss(copy.deepcopy(w.model)(**w.batch)).item()
+    cases = [({}, {}), ({"lowering": False}, {}),
+             ({"lowering": {"rms_norm": False}}, {"fused_linear_cross_entropy": 1, "swiglu": 2}),
+             ({"lowering": {"fused_linear_cross_entropy": False, "swiglu": False}}, {"rms_norm": 5})]
+    for extra, expect in cases:
+        torch._dynamo.reset()
+        before = len(COMPILES)
+        compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", **extra})
+        _, loss = _step(compiled, w.batch)
+        assert abs(loss.item() - ref) <= 1e-5 * abs(ref)
+        assert _counts(COMPILES[before].records[-1].report) == expect, extra
+    torch._dynamo.reset()
+    with pytest.raises(OptionError, match="lowering.fused_ce"):
+        torch.compile(w.model, backend="fxmem", options={"lowering": {"fused_ce": True}})(**w.batch)
+
+
+class Partial(nn.Module):
+    """Each pattern present but not whole: the logits feed a second loss term, a GELU output is
+    used twice, an RMSNorm's rsqrt is returned, cross-entropy has class weights."""
+
+    def __init__(self, d=16, vocab=24):
+        super().__init__()
+        self.emb, self.fc, self.up = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.head, self.head2 = nn.Linear(d, vocab, bias=False), nn.Linear(d, vocab, bias=False)
+        self.register_buffer("cw", torch.linspace(0.5, 1.5, vocab))
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = x * r
+        a = F.gelu(self.fc(x), approximate="tanh")
+        x = a * self.up(x) + a
+        logits = self.head(x).view(-1, self.head.out_features)
+        loss = F.cross_entropy(logits, labels.view(-1)) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+        loss = loss + F.cross_entropy(self.head2(x).view(-1, self.head.out_features), labels.view(-1), weight=self.cw)
+        return loss + r.mean()
+
+
+def test_partial_matches_are_left_alone_with_reasons():
+    torch.manual_seed(0)
+    model, ids = Partial(), torch.randint(0, 24, (2, 8))
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(ids, ids)
+    ref.backward()
+    compiled = torch.compile(model, backend="fxmem", options=ON)
+    out = compiled(ids, ids)
+    out.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-4
+    g = fxmem.report(compiled).graphs[-1]
+    assert _counts(g) == {"bias_gelu": 1}  # gelu(fc(x)) is whole; its output may be used twice
+    notes = "\n".join(g.lowering_notes)
+    assert "fused_linear_cross_entropy" in notes and "class weights" in notes and "used by other ops" in notes
+    assert "rms_norm" in notes and "geglu" in notes
+
+
+def test_dropout_becomes_seeded_with_one_mask_for_forward_and_backward():
+    """Seeded dropout draws its own mask (not eager's), so check its law: y = x * m / (1 - p)
+    with the same m in backward, a fraction p of zeros; the rest of the model equals eager."""
+    p = 0.4
+
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x, c):
+            y = F.dropout(self.lin(x), p, training=True)
+            return y, (y * c).sum()
+
+    torch.manual_seed(0)
+    model, x, c = Drop(), torch.randn(32, 64, requires_grad=True), torch.randn(32, 64)
+    compiled = torch.compile(model, backend="fxmem", options=ON)
+    y, loss = compiled(x, c)
+    loss.backward()
+    h = model.lin(x).detach()
+    mask = y.detach() != 0
+    assert abs(mask.float().mean().item() - (1 - p)) < 0.05
+    torch.testing.assert_close(y.detach(), torch.where(mask, h / (1 - p), 0.0))
+    dh = torch.where(mask, c / (1 - p), 0.0)  # d loss / d lin(x), through the same mask
+    torch.testing.assert_close(model.lin.bias.grad, dh.sum(0))
+    torch.testing.assert_close(x.grad, dh @ model.lin.weight.detach())
+    assert _counts(fxmem.report(compiled).graphs[-1]) == {"dropout": 1}
