@@ -235,12 +235,14 @@ def test_options_turn_patterns_off():
 
 class Partial(nn.Module):
     """Each pattern present but not whole: the logits feed a second loss term, a GELU output is
-    used twice, an RMSNorm's rsqrt is returned, cross-entropy has class weights."""
+    used twice, an RMSNorm's rsqrt is returned, cross-entropy has class weights, logits are
+    sliced after a reshape."""
 
     def __init__(self, d=16, vocab=24):
         super().__init__()
         self.emb, self.fc, self.up = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, d)
         self.head, self.head2 = nn.Linear(d, vocab, bias=False), nn.Linear(d, vocab, bias=False)
+        self.head3 = nn.Linear(d, vocab)
         self.register_buffer("cw", torch.linspace(0.5, 1.5, vocab))
 
     def forward(self, ids, labels):
@@ -252,6 +254,7 @@ class Partial(nn.Module):
         logits = self.head(x).view(-1, self.head.out_features)
         loss = F.cross_entropy(logits, labels.view(-1)) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
         loss = loss + F.cross_entropy(self.head2(x).view(-1, self.head.out_features), labels.view(-1), weight=self.cw)
+        loss = loss + F.cross_entropy(self.head3(x).view(-1, self.head.out_features)[:-3], labels.view(-1)[:-3])
         return loss + r.mean()
 
 
@@ -271,6 +274,7 @@ def test_partial_matches_are_left_alone_with_reasons():
     assert _counts(g) == {"bias_gelu": 1}  # gelu(fc(x)) is whole; its output may be used twice
     notes = "\n".join(g.lowering_notes)
     assert "fused_linear_cross_entropy" in notes and "class weights" in notes and "used by other ops" in notes
+    assert "sliced after a reshape" in notes
     assert "rms_norm" in notes and "geglu" in notes
 
 

@@ -112,6 +112,17 @@ def _leading_slice(index, ndim: int) -> bool:
     return len(idx) == ndim and idx[-1] == slice(None, None, None)
 
 
+def _slice_after_reshape(ops: list) -> bool:
+    """A slice follows a reshape: the slice indexes the reshaped rows, which the rewrite (slices
+    on the hidden states, then one reshape) does not reproduce."""
+    reshaped = False
+    for o in ops:
+        reshaped |= o in ("view", "reshape", "flatten")
+        if o == "getitem" and reshaped:
+            return True
+    return False
+
+
 def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     if op(n) != "cross_entropy":
         return None
@@ -154,6 +165,8 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
         chain.append(cur)
         cur = arg(cur, 0)
     lin = cur
+    if _slice_after_reshape([op(c) for c in reversed(chain)]):  # chain order: from the linear on
+        return skip("the logits are sliced after a reshape")
     h, w, b = arg(lin, 0, "input"), arg(lin, 1, "weight"), arg(lin, 2, "bias")
     th, tw, tb = tensor(h), tensor(w), tensor(b) if b is not None else None
     if th is None or tw is None or tw.dim() != 2 or (b is not None and tb is None):
