@@ -1,6 +1,9 @@
 """Shared test helpers: compare a compiled training step with eager."""
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 
@@ -28,3 +31,13 @@ def compare_step(workload, compile_fn, rtol=1e-5, batches=None):
                 err = max_rel_err(p.grad, q.grad)
                 assert err <= rtol, f"{name}: relative error {err}"
     return compiled
+
+
+def load_bench_models():
+    """``bench/dpsgd_models.py`` (the DP-SGD benchmark's GPT), shared by the DP-SGD tests."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "dpsgd_models.py"
+    spec = importlib.util.spec_from_file_location("_bench_dpsgd_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
+    spec.loader.exec_module(mod)
+    return mod

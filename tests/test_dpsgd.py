@@ -2,12 +2,10 @@
 microbatch size; HF models; make_functional; noise; accounting against opacus; the sensitivity
 property; argument errors. Every compile uses the eager inner compiler (Inductor: 30-60 s each)."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_bench_models
 import torch
 from hypothesis import given, strategies as st
 from torch.func import grad
@@ -19,16 +17,7 @@ EAGER = {"inner": "eager"}
 RTOL = 1e-5
 
 
-def _load_bench_models():
-    path = Path(__file__).resolve().parents[1] / "bench" / "dpsgd_models.py"
-    spec = importlib.util.spec_from_file_location("_bench_dpsgd_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-models = _load_bench_models()
+models = load_bench_models()
 
 
 # --- the reference: an explicit per-example Python loop ---------------------------------------

@@ -3,12 +3,10 @@ an explicit per-example loop with ghost norms on (untied and tied weights, HF GP
 ghost on equals ghost off, the mixed rule, decisions in the report, non-matching layers left
 alone, the non-finite fallback. Eager inner compiler, tiny models."""
 
-import importlib.util
 import logging
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_bench_models
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,16 +23,7 @@ def _opts(ghost: bool = True) -> dict:
     return {"inner": "eager", "ghost_clipping": ghost}
 
 
-def _load_bench_models():
-    path = Path(__file__).resolve().parents[1] / "bench" / "dpsgd_models.py"
-    spec = importlib.util.spec_from_file_location("_bench_dpsgd_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-models = _load_bench_models()
+models = load_bench_models()
 
 
 def reference(loss_fn, C, args, batch_argnums, argnum=0):

@@ -305,3 +305,43 @@ def test_dropout_becomes_seeded_with_one_mask_for_forward_and_backward():
     torch.testing.assert_close(model.lin.bias.grad, dh.sum(0))
     torch.testing.assert_close(x.grad, dh @ model.lin.weight.detach())
     assert _counts(fxmem.report(compiled).graphs[-1]) == {"dropout": 1}
+
+
+def test_dynamic_shapes_one_compile_two_shapes():
+    """tiny_gpt (sliced logits, F.gelu after a biased linear, LayerNorm) compiled with dynamic
+    shapes: one compile serves two batch shapes, each equal to eager."""
+    torch._dynamo.reset()
+    kw = dict(layers=2, d=32, heads=2, vocab=64)
+    w = build("tiny_gpt", batch=2, seq=16, **kw)
+    model = copy.deepcopy(w.model)
+    compiled = torch.compile(model, backend="fxmem", options=ON, dynamic=True)
+    before = len(COMPILES)
+    for batch, seq in ((2, 16), (3, 12)):
+        inputs = build("tiny_gpt", batch=batch, seq=seq, **kw).batch
+        ref_model = copy.deepcopy(w.model)
+        ref = ref_model(**inputs)
+        ref.backward()
+        model.zero_grad(set_to_none=True)
+        loss = compiled(**inputs)
+        loss.backward()
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert _rel(p.grad, q.grad) <= 1e-4
+    assert len(COMPILES) == before + 1
+    assert _counts(COMPILES[-1].records[-1].report) == {"fused_linear_cross_entropy": 1, "bias_gelu": 2, "layer_norm": 5}
+
+
+def test_inductor_inner_runs_the_fused_ops():
+    torch.manual_seed(0)
+    model, ids = Mixed(), torch.randint(0, 40, (2, 9))
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(ids, ids)
+    ref.backward()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "inductor", "lowering": True, "strict": True})
+    out = compiled(ids, ids)
+    out.backward()
+    assert abs(out.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-4
+    assert _counts(COMPILES[-1].records[-1].report) == {
+        "fused_linear_cross_entropy": 1, "geglu": 1, "bias_gelu": 1, "rms_norm": 1}
