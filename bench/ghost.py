@@ -54,6 +54,7 @@ from torch.func import grad, vmap
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench.dpsgd import rel_err  # noqa: E402
 from bench.dpsgd_models import gpt, per_example_loss  # noqa: E402
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
@@ -142,14 +143,6 @@ def opacus_variant(model: nn.Module, C: float, batch: int):
         return {k: p.grad for k, p in zip(names, params)}
 
     return step
-
-
-def rel_err(got: dict, want: dict) -> float:
-    worst = 0.0
-    for k, w in want.items():
-        err = ((got[k].double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
-        worst = max(worst, err)
-    return worst
 
 
 def run(args) -> tuple[list[dict], dict]:

@@ -1,6 +1,4 @@
 """The backend's per-example pass: vmap(grad) regions run in microbatches, results unchanged."""
-import warnings
-
 import pytest
 import torch
 import torch.nn as nn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx

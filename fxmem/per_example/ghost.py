@@ -224,7 +224,6 @@ def _norm_chain(start: fx.Node, m: int) -> tuple[fx.Node, list[fx.Node]] | None:
         n = next(iter(n.users))
         if not (n.op == "call_function"):
             return None
-    seen_norm = False
     while _is(n, _NORM):
         ord_ = n.args[1] if len(n.args) > 1 else n.kwargs.get("ord", 2)
         dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
@@ -236,7 +235,6 @@ def _norm_chain(start: fx.Node, m: int) -> tuple[fx.Node, list[fx.Node]] | None:
         if any(d % len(src_shape) == 0 for d in dims):
             return None
         chain.append(n)
-        seen_norm = True
         if _shape(n) == (m,):
             return n, chain
         if not _single_user(n):

@@ -11,7 +11,7 @@ from fxmem.profiling import step_perf
 from fxmem.remat.plan import BudgetError
 from fxmem.testing import ModelSpec, assert_same_training_step, build
 from budget import examples
-from fxmem.testing.strategies import model_specs, options, plan_options
+from fxmem.testing.strategies import model_specs, options
 
 
 def _check(spec, opts, **kwargs):
