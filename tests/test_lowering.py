@@ -84,9 +84,45 @@ def test_hf_training_step_lowers_every_pattern_and_equals_eager(name):
     split = COMPILES[-1].splits[-1]
     fw_ops, bw_ops = FUSED[name]
     assert fw_ops <= _fused_ops(split.fw) and bw_ops <= _fused_ops(split.bw)
+    assert "linear_backward_unless_zero" in _fused_ops(split.bw)  # the returned logits'
     assert not any("log_softmax" in str(n.target) for n in [*split.fw.graph.nodes, *split.bw.graph.nodes])
     text = str(fxmem.report(compiled))
     assert "lowered pattern" in text and "fused_linear_cross_entropy" in text
+
+
+class _Head(torch.nn.Module):
+    """Returns its logits beside the loss, as an HF causal LM does."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.norm, self.head = torch.nn.LayerNorm(16), torch.nn.Linear(16, 40, bias=bias)
+
+    def forward(self, x, labels):
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, 40), labels.view(-1)), logits
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("use_logits", [False, True])
+def test_returned_logits_get_their_gradient_whether_used_or_not(bias, use_logits):
+    """The returned logits' backward skips its matmuls on a zero gradient only: a loss that also
+    reads the logits gets the same gradients as eager."""
+    torch.manual_seed(0)
+    ref_model = _Head(bias)
+    model = copy.deepcopy(ref_model)
+    x, labels = torch.randn(3, 5, 16), torch.randint(0, 40, (3, 5))
+
+    def step(m):
+        loss, logits = m(x, labels)
+        (loss + logits.square().mean() if use_logits else loss).backward()
+        return loss, logits
+
+    ref = step(ref_model)
+    out = step(torch.compile(model, backend="fxmem", options=ON))
+    torch.testing.assert_close(out, ref)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert "linear_backward_unless_zero" in _fused_ops(COMPILES[-1].splits[-1].bw)
 
 
 def test_loss_only_never_materializes_logits_and_lowers_the_peak(monkeypatch):

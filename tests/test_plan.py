@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fxmem.backend import COMPILES
 from fxmem.models import build
-from fxmem.remat.plan import BudgetError
+from fxmem.remat.budget import BudgetError
 from helpers import compare_step
 
 GPT = dict(batch=2, seq=32, layers=2, vocab=256)

@@ -94,6 +94,13 @@ class JointGraph:
             frozenset(forward), frozenset(backward),
         )
 
+    def input_names(self) -> set[str]:
+        """Names of the primals and of views of them: storage that exists before the step."""
+        from .liveness import storage_roots
+
+        root, primals = storage_roots(self.gm), set(self.primals)
+        return {n.name for n in root if root[n] in primals}
+
     def default_saved(self) -> list[fx.Node]:
         """What a plain partition keeps: forward values that the rest of the graph reads."""
         bw_region = ancestors(list(self.bwd_outputs), stop=set(self.forward))

@@ -95,6 +95,21 @@ def peak(events: list[Event], values: Mapping[str, int], base: int = 0) -> Liven
     return Liveness(best, at, snapshot)
 
 
+def step_schedules(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes,
+                   inputs: set[str]) -> tuple[list[Event], list[Event]]:
+    """The forward's and the backward's schedules within a training step. Not counted: the
+    forward's inputs and the backward's placeholders named in ``inputs`` (parameters, the batch
+    and views of them), which exist before the step; counted: the kept values and tangents."""
+    return (schedule(fw, sizes, counted=lambda n: False),
+            schedule(bw, sizes, counted=lambda n: n.name not in inputs))
+
+
+def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes, inputs: set[str]) -> int:
+    """A training step's peak bytes at the plan shape (forward, then backward)."""
+    values = {s.name: v for s, v in sizes.values.items()}
+    return max(peak(events, values).peak for events in step_schedules(fw, bw, sizes, inputs))
+
+
 def simulate(gm: fx.GraphModule, sizes: SymbolicSizes, inputs_freed: bool = True) -> Liveness:
     """The peak at the plan shape. ``inputs_freed=False``: inputs stay alive to the end."""
     events = schedule(gm, sizes)

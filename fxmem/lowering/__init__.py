@@ -48,9 +48,11 @@ vmap region that ``fxmem.per_example`` compiles itself (``microbatch_size`` set,
 not call :func:`lower` yet.
 
 The logits: an HF causal LM returns its logits as well as the loss. The loss is lowered anyway;
-the logits stay computed (by the original ``linear``) for the output, and AOTAutograd gives
-them a zero gradient in backward (a logits-sized buffer and a matmul of zeros). Compile a
-module that returns only the loss to have neither (bench/results/lowering.md shows both).
+the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for the output, and
+AOTAutograd gives them a gradient in backward, zeros unless the caller differentiated them.
+Their backward op reads it once and skips the two vocabulary-sized matmuls when it is all
+zeros. Compile a module that returns only the loss to have neither the logits nor that zero
+buffer (bench/results/lowering.md shows both).
 
 Bytes saved per lowering are what autograd keeps for backward from the matched subgraph minus
 what the fused call keeps, on meta tensors at the compiled shape (:mod:`.savings`).
@@ -65,6 +67,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..options import Options
+from .match import arg
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
 
@@ -207,4 +210,11 @@ def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set) -> Lowered:
         if not n.users:
             graph.erase_node(n)
             erased.add(n)
+    for n, call in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
+        with graph.inserting_before(n):
+            kept = graph.call_function(call, (arg(n, 0, "input"), arg(n, 1, "weight"), arg(n, 2, "bias")))
+        kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
+        n.replace_all_uses_with(kept)
+        graph.erase_node(n)
+        erased.add(n)
     return Lowered(m.pattern, name, saved, region is not None, m.note)

@@ -142,6 +142,47 @@ class _RowsLCEBackward(torch.autograd.Function):
         return tuple(torch.stack(o) for o in zip(*outs)), (0, 0, 0)
 
 
+@torch.library.custom_op("fxmem::linear_backward_unless_zero", mutates_args=())
+def _linear_backward_unless_zero(grad: Tensor, h: Tensor, weight: Tensor, bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``linear``'s backward, with the matmuls skipped when ``grad`` is all zeros (one read)."""
+    if not bool(grad.any()):  # logits nobody differentiated: AOTAutograd passes zeros
+        return h.new_zeros(h.shape), weight.new_zeros(weight.shape), weight.new_zeros(weight.shape[0] * bias)
+    g2, h2 = grad.reshape(-1, grad.shape[-1]), h.reshape(-1, h.shape[-1])
+    db = g2.sum(0) if bias else weight.new_zeros(0)
+    return (grad @ weight).reshape(h.shape), g2.t() @ h2, db
+
+
+@_linear_backward_unless_zero.register_fake
+def _(grad, h, weight, bias):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] * bias)
+
+
+class _ReturnedLogits(torch.autograd.Function):
+    """``F.linear`` for logits a graph returns beside a fused loss. They are usually not
+    differentiated (``loss = model(**batch).loss``), and AOTAutograd then hands their backward a
+    zero gradient: a vocabulary-sized matmul of zeros, unless it is skipped at run time."""
+
+    @staticmethod
+    def forward(h, weight, bias):
+        return torch.nn.functional.linear(h, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, weight, bias = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(h, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        dh, dw, db = _linear_backward_unless_zero(grad, h, weight, ctx.has_bias)
+        return dh, dw, db if ctx.has_bias else None
+
+
+def returned_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    return _ReturnedLogits.apply(h, weight, bias)
+
+
 # -- norms, activations, dropout --------------------------------------------------------------
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, eps: float) -> Tensor:
     return K.layer_norm(x, weight, bias, eps, impl=_IMPL)

@@ -1,6 +1,7 @@
 """The one place that says which aten ops may be recomputed, and from which level.
 
-CHEAP ops (pointwise, views, casts, cheap reductions, norms) are recomputable at every level.
+CHEAP ops (pointwise, views, casts, cheap reductions, norms, and the fused norm, activation and
+seeded-dropout ops of pattern lowering) are recomputable at every level.
 HEAVY ops (matmuls, attention, convolutions) only at level 1-2 (inside detected layers), under a
 memory budget, or when a user rule selects their cluster. Random ops are never recomputed here:
 their saved outputs keep the forward's values exactly. Anything not listed is never recomputed.
@@ -39,6 +40,9 @@ _REDUCTIONS_AND_NORMS = {
     aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
     aten._fused_rms_norm, aten.rsqrt, aten.any, aten.all, aten.argmax,
 }
+# fxmem_kernels' fused forward ops (pattern lowering puts them in the graph): norms and
+# activations, and the dropout whose mask a saved seed regenerates exactly.
+_FUSED_CHEAP = {"fxmem::layer_norm", "fxmem::rms_norm", "fxmem::bias_gelu", "fxmem::glu", "fxmem::seeded_dropout"}
 _HEAVY = {
     aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.convolution,
     aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
@@ -57,6 +61,8 @@ def kind(node: fx.Node) -> str:
     if packet is None:
         return NEVER
     if packet in _VIEWS or packet in _COPIES or packet in _REDUCTIONS_AND_NORMS:
+        return CHEAP
+    if getattr(packet, "_qualified_op_name", None) in _FUSED_CHEAP:
         return CHEAP
     if torch.Tag.pointwise in getattr(node.target, "tags", ()):
         return CHEAP

@@ -60,11 +60,11 @@ def _network(p: CutProblem, lam: float) -> tuple[nx.DiGraph, list[fx.Node]]:
     return g, nodes
 
 
-def solve(p: CutProblem, lam: float) -> list[fx.Node]:
-    """The saved set (joint-graph order) of the cheapest cut at recompute weight ``lam``."""
+def _cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
+    """(saved set in joint-graph order, recompute cost) of the cheapest cut at weight ``lam``."""
     g, nodes = _network(p, lam)
     if SINK not in g:
-        return []
+        return [], 0.0
     try:
         r = preflow_push(g, SOURCE, SINK)
     except nx.NetworkXUnbounded:
@@ -81,4 +81,45 @@ def solve(p: CutProblem, lam: float) -> list[fx.Node]:
             if u not in sink_side and e["capacity"] - e["flow"] > 0:
                 sink_side.add(u)
                 todo.append(u)
-    return [n for n in nodes if (n, "in") not in sink_side and (n, "out") in sink_side]
+    saved = [n for n in nodes if (n, "in") not in sink_side and (n, "out") in sink_side]
+    cost = sum(p.cost.get(n, 0.0) for n in nodes if (n, "in") in sink_side and n in p.recomputable)
+    return saved, cost
+
+
+def solve(p: CutProblem, lam: float) -> list[fx.Node]:
+    """The saved set (joint-graph order) of the cheapest cut at recompute weight ``lam``."""
+    return _cut(p, lam)[0]
+
+
+def saved_bytes(p: CutProblem, saved) -> int:
+    return sum(p.nbytes.get(n, 0) for n in saved if n.op != "placeholder")
+
+
+def frontier(p: CutProblem, lo: float, hi: float, max_solves: int = 64) -> list[tuple[list[fx.Node], float]]:
+    """Every distinct cheapest cut for recompute weights in [lo, hi] with a weight at which it is
+    cheapest, most saved bytes first.
+
+    Each cut's value is a line in the weight, bytes + lam * cost; the cheapest-cut value is their
+    lower envelope. Eisner and Severance's search: solve where the lines of two known cuts cross;
+    a cut strictly below both is a new breakpoint to search on either side of, otherwise the two
+    are neighbours. ``2k - 1`` solves find ``k`` cuts (at most ``max_solves`` are made).
+    """
+    def at(lam):
+        saved, cost = _cut(p, lam)
+        return saved, saved_bytes(p, saved), cost, lam
+
+    first, last = at(lo), at(hi)
+    found, todo, solves = [first, last], [(first, last)], 2
+    while todo and solves < max_solves:
+        a, z = todo.pop()  # a: the low weight's cut (fewer bytes, more recompute)
+        if a[2] <= z[2] or a[1] >= z[1]:
+            continue  # same line, or z is no cheaper to recompute: nothing between them
+        lam = (z[1] - a[1]) / (a[2] - z[2])
+        m = at(lam)
+        solves += 1
+        if m[1] + lam * m[2] >= (a[1] + lam * a[2]) * (1 - 1e-12):
+            continue
+        found.append(m)
+        todo += [(a, m), (m, z)]
+    unique = {(b, c): (s, lam) for s, b, c, lam in found}
+    return [unique[k] for k in sorted(unique, key=lambda k: (-k[0], k[1]))]

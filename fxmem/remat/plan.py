@@ -12,23 +12,18 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph.cost import recompute_cost
 from ..graph.joint import JointGraph, is_multi_output, is_sym
-from ..graph.liveness import simulate, storage_roots
+from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
-from ..options import OptionError, Options
+from ..options import Options
 from .allowlist import CHEAP, HEAVY, kind
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, layers
+from .budget import predicted_peak, within_budget
 from .mincut import CutProblem, NoPlan, solve
-from .split import split
 
 log = logging.getLogger("fxmem")
 
 TIEBREAK = 1e-6  # recompute weight when only bytes matter: picks the cheaper of equal-byte cuts
-_LAM_HI, _LAM_LO = 1e4, 1e-9
-
-
-class BudgetError(OptionError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -137,26 +132,31 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     if must_save or must_recompute:
         notes.append(f"user annotations: {len(must_save)} must-save, {len(must_recompute)} recompute-tagged nodes")
 
-    def cut(recomp: set[fx.Node], lam: float) -> list[fx.Node]:
-        return solve(CutProblem(joint, nbytes, cost, frozenset(recomp), frozenset(no_save)), lam)
+    def problem(recomp: frozenset[fx.Node]) -> CutProblem:
+        return CutProblem(joint, nbytes, cost, recomp, frozenset(no_save))
 
     lam, final = TIEBREAK, recomputable
     try:
-        saved = cut(recomputable, lam)
+        saved = solve(problem(frozenset(recomputable)), lam)
     except NoPlan as e:  # e.g. a rule or tag asks to recompute what cannot be: keep those instead
         msg = f"fxmem: the requested recomputation is impossible ({e}); those values are kept instead"
         warnings.warn(msg, stacklevel=2)
         notes.append(msg)
         no_save.clear()
-        saved = cut(recomputable, lam)
+        saved = solve(problem(frozenset(recomputable)), lam)
+    plain0 = not (options.config or options.memory_budget or must_save or must_recompute)
+    level0 = saved if options.level == 0 and plain0 else solve(
+        CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
+    if options.level > 0 and plain0 and predicted_peak(joint, saved, sizes, options) > predicted_peak(
+            joint, level0, sizes, options):
+        notes.append(f"level {options.level}: its plan's simulated peak is above level 0's; using level 0's plan")
+        saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
     if options.memory_budget is not None:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-        saved, lam, final = _budgeted(joint, options, sizes, nbytes, saved, recomputable | heavy, must_save | fences,
-                                      cut, notes)
+        saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save | fences, problem,
+                                          notes)
     expr = sympy.Add(*[sizes.nbytes(n) for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free],
                      sympy.Integer(0))
-    level0 = saved if options.level == 0 and not (options.config or options.memory_budget) else solve(
-        CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
                 _bytes(stashed, nbytes), _bytes(level0, nbytes))
@@ -164,60 +164,3 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
 
 def _bytes(saved, nbytes: dict[fx.Node, int]) -> int:
     return sum(nbytes.get(n, 0) for n in saved if n.op != "placeholder")
-
-
-def _read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
-    """Saved values that the backward reads before its (simulated) peak.
-
-    Recomputing one of them would only move it from the forward to just before the peak, where
-    it is alive either way (e.g. the log-softmax a cross-entropy backward starts from).
-    """
-    s = split(joint, saved)
-    nodes = list(s.bw.graph.nodes)
-    at = simulate(s.bw, sizes).peak_at
-    cutoff = next(i for i, n in enumerate(nodes) if n.name == at)
-    pos = {n: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in s.saved}
-    return {by_name[ph.name] for ph in s.bw.graph.find_nodes(op="placeholder")
-            if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
-
-
-def _budgeted(joint, options, sizes, problem_bytes, saved0, recomputable, keep, cut, notes):
-    """Least recompute cost with saved bytes within the budget: bisect the recompute weight.
-
-    ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
-    vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
-    at the peak). Kept, so that a lower budget means a lower peak: layer boundaries (``keep``;
-    recomputing across them reruns earlier layers while later ones are alive) and what the
-    backward reads before its simulated peak.
-    """
-
-    def nbytes(saved):
-        return sum(problem_bytes.get(n, 0) for n in saved if n.op != "placeholder")
-
-    level_bytes = nbytes(saved0)
-    budget = options.memory_budget
-    cap = int(budget * level_bytes) if isinstance(budget, float) else budget
-    early = _read_before_backward_peak(joint, saved0, sizes)
-    recomp = recomputable - keep - early
-    lo_saved = cut(recomp, _LAM_LO)
-    if nbytes(lo_saved) > cap:
-        raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
-                          f"the smallest feasible budget is {nbytes(lo_saved)} bytes "
-                          f"({nbytes(lo_saved) / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes})")
-    lo, hi = _LAM_LO, _LAM_HI  # lo is feasible
-    best = lo_saved
-    hi_saved = cut(recomp, hi)
-    if nbytes(hi_saved) <= cap:
-        lo, best = hi, hi_saved
-    else:
-        for _ in range(24):  # geometric bisection
-            mid = (lo * hi) ** 0.5
-            s = cut(recomp, mid)
-            if nbytes(s) <= cap:
-                lo, best = mid, s
-            else:
-                hi = mid
-    notes.append(f"memory budget {cap} bytes: saved {nbytes(best)} bytes (level {options.level} alone: "
-                 f"{level_bytes}), recompute weight {lo:.3g}")
-    return best, lo, recomp

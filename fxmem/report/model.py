@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import sympy
 
-from ..graph.liveness import Event, evaluate, peak, schedule
+from ..graph.liveness import Event, evaluate, peak, step_schedules
 from ..options import parse_bytes
 
 SCHEMA_VERSION = 1
@@ -225,8 +225,7 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
                                sum(sizes.at(sizes.nbytes(c.stash)) for c in rec), sizes.pretty(one)))
     rows.sort(key=lambda r: (-r.saving_bytes, r.id))
     cost = plan.problem.cost if plan.problem is not None else {}
-    fw = schedule(split.fw, sizes, counted=lambda n: False)  # forward inputs exist before the step
-    bw = schedule(split.bw, sizes, counted=lambda n: n.name not in primal_names)
+    fw, bw = step_schedules(split.fw, split.bw, sizes, primal_names)
     return GraphReport(
         index=index, level=plan.level, options=options_key,
         symbols={s.name: n for s, n in sizes.names.items()},

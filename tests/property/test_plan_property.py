@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fxmem.inner import eager
 from fxmem.options import resolve
 from fxmem.remat.partition import Partitioner
-from fxmem.remat.plan import BudgetError
+from fxmem.remat.budget import BudgetError
 from fxmem.testing.programs import program_inputs, programs, run_program
 
 

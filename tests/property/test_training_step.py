@@ -8,7 +8,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from fxmem.profiling import step_perf
-from fxmem.remat.plan import BudgetError
+from fxmem.remat.budget import BudgetError
 from fxmem.testing import ModelSpec, assert_same_training_step, build
 from budget import examples
 from fxmem.testing.strategies import model_specs, options
@@ -53,6 +53,31 @@ def test_dynamic_shapes_formulas_equal_measured_bytes_at_each_shape(spec, shape)
     assert check.held_bytes == check.planned_saved_bytes[0]
 
 
+def _attention_scratch(spec) -> int:
+    """Bytes the CPU attention kernel allocates inside one forward or backward call at this
+    spec's shape (measured: they depend on the thread count and ATen's block sizes). fxmem's
+    simulated peak cannot see them, so a plan may peak up to this much above its simulation."""
+    if "attention" not in spec.blocks:
+        return 0
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def scratch(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        mem = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns())
+        return max(itertools.accumulate(e.nbytes() for e in mem)) - sum(t.nbytes for t in out)
+
+    aten = torch.ops.aten
+    q, k, v = (torch.randn(spec.batch, spec.heads, spec.seq, spec.d // spec.heads) for _ in range(3))
+    o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[:2]
+    return max(scratch(lambda: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)[:2]),
+               scratch(lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                   torch.ones_like(o), q, k, v, o, lse, 0.0, True)))
+
+
 def _peak(spec, opts):
     model, inputs = build(spec)
     torch._dynamo.reset()
@@ -65,20 +90,30 @@ def _peak(spec, opts):
     return perf.result.peak_bytes
 
 
-# Known failure (issue #3, the planner): on tiny models a lower budget can peak a few dozen bytes
-# higher, e.g. ModelSpec(vocab=16, d=4, blocks=("attention",), hidden=8, heads=1, residual=False,
-# batch=1, seq=4): budget 0.8 peaked at 1304 bytes, budget 1.0 at 1208 (the recomputed values
-# meet the backward's largest buffers). Kept running, reported, until the planner guarantees it.
-@pytest.mark.xfail(reason="issue #3: budget monotonicity of the measured peak fails on tiny models",
-                   strict=False)
+# Regression: budget 0.8 peaked at 1304 bytes, budget 1.0 at 1208: the recomputed attention met
+# the backward's largest buffers (fixed: only plans whose simulated peak does not rise are chosen).
+@example(ModelSpec(vocab=16, d=4, blocks=("attention",), hidden=8, heads=1, residual=False, batch=1, seq=4))
+@example(ModelSpec(vocab=16, d=4, blocks=("attention", "mlp"), norm="layernorm", activation="gelu", hidden=8, heads=1,
+                   residual=False, batch=1, seq=4))
 @given(model_specs(dropout=False))
 @settings(max_examples=examples(5, 30))
 def test_measured_peak_never_rises_as_the_budget_falls(spec):
-    peaks = []
+    """Exactly, but for the attention kernel's internal scratch (see _attention_scratch)."""
+    slack, peaks = _attention_scratch(spec), []
     for budget in (1.0, 0.8, 0.5, 0.2):
         try:
             peaks.append((budget, _peak(spec, {"memory_budget": budget})))
         except BudgetError:
             break  # lower budgets are infeasible too
     for (b1, p1), (b2, p2) in zip(peaks, peaks[1:]):
-        assert p2 <= p1, f"budget {b2} peaked at {p2} bytes, above budget {b1}'s {p1}"
+        assert p2 <= p1 + slack, f"budget {b2} peaked at {p2} bytes, above budget {b1}'s {p1} (+{slack} slack)"
+
+
+@example(ModelSpec(vocab=16, d=8, blocks=("attention",), norm="rmsnorm", activation="gelu", hidden=8, heads=1,
+                   residual=False, batch=1, seq=4))
+@given(model_specs(dropout=False))
+@settings(max_examples=examples(5, 30))
+def test_measured_peak_never_rises_as_the_level_rises(spec):
+    """Exactly, but for the attention kernel's internal scratch (see _attention_scratch)."""
+    p0, p1, slack = _peak(spec, {"level": 0}), _peak(spec, {"level": 1}), _attention_scratch(spec)
+    assert p1 <= p0 + slack, f"level 1 peaked at {p1} bytes, above level 0's {p0} (+{slack} slack)"

@@ -1,0 +1,95 @@
+"""The memory budget: the least recompute whose saved bytes fit a cap, with a peak that never
+rises as the cap falls.
+
+Candidates are the level's own plan and every cut on the min-cut frontier (each the cheapest cut
+for some recompute weight) with fewer saved bytes. Fewer saved bytes can still mean a higher
+step peak: a recomputed value is alive again in the backward, perhaps at its peak. So each
+candidate's peak is simulated, and only candidates at or below the peak of every candidate with
+more saved bytes are admissible. A cap then picks the admissible candidate with the most saved
+bytes (the least recompute) within it. The candidate list and the rule do not depend on the cap,
+so a lower cap always picks an admissible plan at or after a higher cap's one: its simulated
+peak is never higher.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from ..graph.joint import JointGraph
+from ..graph.liveness import simulate, step_peak
+from ..graph.sizes import SymbolicSizes
+from ..inner import reuse_dead_buffers
+from ..options import OptionError, Options
+from .mincut import CutProblem, frontier, saved_bytes
+from .split import split
+
+LAM_LO, LAM_HI = 1e-9, 1e4
+
+
+class BudgetError(OptionError):
+    pass
+
+
+def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
+    """The simulated step peak of a saved set, as the inner compiler will run its split."""
+    s = split(joint, saved)
+    if options.inner == "eager":
+        reuse_dead_buffers(s.fw)
+        reuse_dead_buffers(s.bw)
+    return step_peak(s.fw, s.bw, sizes, joint.input_names())
+
+
+def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
+    """Saved values that the backward reads before its (simulated) peak.
+
+    Recomputing one of them would only move it from the forward to just before the peak, where
+    it is alive either way (e.g. the log-softmax a cross-entropy backward starts from).
+    """
+    s = split(joint, saved)
+    nodes = list(s.bw.graph.nodes)
+    at = simulate(s.bw, sizes).peak_at
+    cutoff = next(i for i, n in enumerate(nodes) if n.name == at)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in s.saved}
+    return {by_name[ph.name] for ph in s.bw.graph.find_nodes(op="placeholder")
+            if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
+
+
+def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
+                  recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
+                  notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
+    """(saved set, recompute weight, recomputable set) for ``options.memory_budget``.
+
+    ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
+    vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
+    at the peak). Always kept: layer boundaries (``keep``; recomputing across them reruns earlier
+    layers while later ones are alive) and what the backward reads before its simulated peak.
+    """
+    recomp = recomputable - keep - read_before_backward_peak(joint, saved0, sizes)
+    p = problem(frozenset(recomp))
+    level_bytes = saved_bytes(p, saved0)
+    budget = options.memory_budget
+    cap = int(budget * level_bytes) if isinstance(budget, float) else budget
+    candidates = [(saved0, LAM_HI)] + [c for c in frontier(p, LAM_LO, LAM_HI) if saved_bytes(p, c[0]) < level_bytes]
+    admissible, lowest = [], None
+    for saved, lam in candidates:
+        peak = predicted_peak(joint, saved, sizes, options)
+        if lowest is None or peak <= lowest:
+            admissible.append((saved, lam, peak))
+            lowest = peak
+    fits = [c for c in admissible if saved_bytes(p, c[0]) <= cap]
+    if not fits:
+        smallest = saved_bytes(p, admissible[-1][0])
+        fewest = saved_bytes(p, candidates[-1][0])
+        why = "" if fewest == smallest else (
+            f"; plans that save as little as {fewest} bytes exist, but their simulated peak is higher")
+        raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
+                          f"the smallest feasible budget is {smallest} bytes "
+                          f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
+    saved, lam, peak = fits[0]
+    notes.append(f"memory budget {cap} bytes: saved {saved_bytes(p, saved)} bytes (level {options.level} alone: "
+                 f"{level_bytes}), simulated peak {peak} bytes, recompute weight {lam:.3g}; "
+                 f"{len(admissible)} of {len(candidates)} frontier plans do not raise the peak")
+    return saved, lam, recomp
