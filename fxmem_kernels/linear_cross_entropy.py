@@ -116,7 +116,7 @@ def _row_bytes(v: int, dtype: torch.dtype, softcap, triton_path: bool) -> int:
 
 
 def _check(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, reduction: str,
-           o: _Opts) -> bool:
+           o: _Opts, logits: Optional[Tensor] = None) -> bool:
     """Raise ValueError naming the bad argument; return whether the Triton path runs."""
     def bad(msg):
         raise ValueError(f"{_NAME}: {msg}")
@@ -150,6 +150,10 @@ def _check(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, re
         bad(f"logit_scale must be a finite float, got {o.logit_scale}")
     if not (math.isfinite(o.z_loss) and o.z_loss >= 0):
         bad(f"z_loss must be a finite float >= 0, got {o.z_loss}")
+    rows = math.prod(h.shape[:-1])
+    if logits is not None and (tuple(logits.shape) != (rows, v) or logits.dtype != h.dtype):
+        bad(f"logits must have shape [{rows}, {v}] (hidden's rows, vocab) and dtype {h.dtype}, got "
+            f"{list(logits.shape)} {logits.dtype}")
     triton_path = use_triton(o.impl, h)
     need = _row_bytes(v, h.dtype, o.softcap, triton_path)
     if not isinstance(o.workspace_bytes, int) or o.workspace_bytes < need:
@@ -262,9 +266,11 @@ def _addmm_fp32(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
 
 
 def _run(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, g: Optional[Tensor],
-         lse_in: Optional[Tensor], o: _Opts, grads, triton_path: bool, dh, dw, db):
+         lse_in: Optional[Tensor], o: _Opts, grads, triton_path: bool, dh, dw, db,
+         logits: Optional[Tensor] = None):
     """Chunk loop shared by both ops. ``g``: per-row upstream gradient (None: loss only);
-    ``lse_in``: per-row log-sum-exp (backward recomputation; no loss then). Writes the gradients
+    ``lse_in``: per-row log-sum-exp (backward recomputation; no loss then); ``logits``: the
+    ``[rows, V]`` logits ``h @ W^T + b`` if the caller has them (copied, not recomputed). Writes the gradients
     asked for by ``grads`` into ``dh``/``dw``/``db``; returns per-row (loss, lse) in fp32."""
     hh = h.reshape(-1, h.shape[-1])
     t = target.reshape(-1)
@@ -298,7 +304,11 @@ def _run(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, g: O
         hc, tc = hh[s:e], t[s:e]
         x = buf[: (e - s) * v].view(e - s, v)
         # logits of the chunk: (h_c @ W^T + b) * alpha, straight into the buffer when possible
-        if x.dtype == dtype:
+        if logits is not None:
+            x.copy_(logits[s:e])
+            if alpha != 1.0:
+                x.mul_(alpha)
+        elif x.dtype == dtype:
             if bias is not None:
                 torch.addmm(bias, hc, weight.t(), beta=alpha, alpha=alpha, out=x)
             else:
@@ -342,9 +352,9 @@ def _forward_grads(reduction, bias, grad_hidden, grad_weight, grad_bias) -> tupl
 def _forward_impl(h, weight, bias, target, ignore_index=-100, label_smoothing=0.0,
                   reduction="mean", logit_scale=1.0, softcap=None, z_loss=0.0,
                   workspace_bytes=DEFAULT_WORKSPACE_BYTES, impl="auto", grad_hidden=False,
-                  grad_weight=False, grad_bias=False, out=None):
+                  grad_weight=False, grad_bias=False, logits=None, out=None):
     o = _Opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss, workspace_bytes, impl)
-    triton_path = _check(h, weight, bias, target, reduction, o)
+    triton_path = _check(h, weight, bias, target, reduction, o, logits)
     grads = _forward_grads(reduction, bias, grad_hidden, grad_weight, grad_bias)
     loss_o, lse_o, dh, dw, db = out if out is not None else _forward_outputs(
         h, weight, bias, target, reduction, grads)
@@ -354,7 +364,7 @@ def _forward_impl(h, weight, bias, target, ignore_index=-100, label_smoothing=0.
         g = valid.float()
         if reduction == "mean":
             g /= valid.sum().clamp_min(1)
-    loss, lse = _run(h, weight, bias, target, g, None, o, grads, triton_path, dh, dw, db)
+    loss, lse = _run(h, weight, bias, target, g, None, o, grads, triton_path, dh, dw, db, logits)
     if reduction == "none":
         loss_o.copy_(loss.view(target.shape))
     else:
@@ -389,21 +399,24 @@ def linear_cross_entropy_op(
         logit_scale: float = 1.0, softcap: Optional[float] = None, z_loss: float = 0.0,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, impl: str = "auto",
         grad_hidden: bool = False, grad_weight: bool = False, grad_bias: bool = False,
+        logits: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dhidden, dweight, dbias). ``loss`` is reduced as ``reduction`` says; ``lse``
     is the per-token log-sum-exp (fp32). For "mean"/"sum" the gradients of ``loss`` flagged by
-    ``grad_*`` are computed in the same pass (others, and all for "none", are empty tensors)."""
+    ``grad_*`` are computed in the same pass (others, and all for "none", are empty tensors).
+    ``logits``: ``hidden @ weight.T + bias`` as ``[tokens, V]``, when the caller computed them
+    anyway (read chunk by chunk instead of recomputed)."""
     return _forward_impl(hidden, weight, bias, target, ignore_index, label_smoothing, reduction,
                          logit_scale, softcap, z_loss, workspace_bytes, impl, grad_hidden,
-                         grad_weight, grad_bias)
+                         grad_weight, grad_bias, logits)
 
 
 @linear_cross_entropy_op.register_fake
 def _(hidden, weight, bias, target, ignore_index=-100, label_smoothing=0.0, reduction="mean",
       logit_scale=1.0, softcap=None, z_loss=0.0, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-      impl="auto", grad_hidden=False, grad_weight=False, grad_bias=False):
+      impl="auto", grad_hidden=False, grad_weight=False, grad_bias=False, logits=None):
     o = _Opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss, workspace_bytes, impl)
-    _check(hidden, weight, bias, target, reduction, o)
+    _check(hidden, weight, bias, target, reduction, o, logits)
     grads = _forward_grads(reduction, bias, grad_hidden, grad_weight, grad_bias)
     return _forward_outputs(hidden, weight, bias, target, reduction, grads)
 
@@ -472,7 +485,7 @@ def _loop_into(op, impl, outputs):
 
 
 def _forward_outputs_of(h, weight, bias, target, ignore_index, label_smoothing, reduction,
-                        logit_scale, softcap, z_loss, workspace_bytes, impl, gh, gw, gb):
+                        logit_scale, softcap, z_loss, workspace_bytes, impl, gh, gw, gb, logits=None):
     grads = _forward_grads(reduction, bias, gh, gw, gb)
     return _forward_outputs(h, weight, bias, target, reduction, grads, device="meta")
 
@@ -489,7 +502,7 @@ _fwd_loop = _loop_into(linear_cross_entropy_op, _forward_impl, _forward_outputs_
 def _forward_vmap(info, in_dims, *args):
     in_dims, args = _full_args(_forward_impl, in_dims, args)
     # Per-token losses with only the rows batched: the batch is one more row dim, one call.
-    if args[6] == "none" and in_dims[1] is None and in_dims[2] is None:
+    if args[6] == "none" and in_dims[1] is None and in_dims[2] is None and args[15] is None:
         args = list(args)
         for i in (0, 3):
             a, d = args[i], in_dims[i]
@@ -522,13 +535,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(hidden, weight, bias, target, opts, reduction, grads):
+    def forward(hidden, weight, bias, target, opts, reduction, grads, logits):
         return linear_cross_entropy_op(hidden, weight, bias, target, *opts[:2], reduction,
-                                       *opts[2:], *grads)
+                                       *opts[2:], *grads, logits)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, target, ctx.opts, ctx.reduction, ctx.grads = inputs
+        hidden, weight, bias, target, ctx.opts, ctx.reduction, ctx.grads, _ = inputs
         loss, lse, dh, dw, db = output
         ctx.mark_non_differentiable(lse, dh, dw, db)
         ctx.save_for_backward(hidden, weight, bias, target, lse, dh, dw, db)
@@ -551,7 +564,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # The forward computed the gradients of the loss: scale by the upstream scalar.
             return (_scaled(dh, grad_loss) if need[0] else None,
                     _scaled(dw, grad_loss) if need[1] else None,
-                    _scaled(db, grad_loss) if need[2] else None, None, None, None, None)
+                    _scaled(db, grad_loss) if need[2] else None, None, None, None, None, None)
         with torch.no_grad():
             g = grad_loss.float()
             if ctx.reduction == "mean":
@@ -560,7 +573,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gh, gw, gb = linear_cross_entropy_backward_op(g, hidden, weight, bias, target, lse,
                                                           *ctx.opts, *need)
         return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
@@ -568,7 +581,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                          label_smoothing: float = 0.0, reduction: str = "mean",
                          logit_scale: float = 1.0, softcap: Optional[float] = None,
                          z_loss: float = 0.0, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-                         impl: str = "auto") -> Tensor:
+                         impl: str = "auto", logits: Optional[Tensor] = None) -> Tensor:
     """``F.cross_entropy(logits, target, ...)`` with ``logits = softcap(logit_scale *
     (hidden @ weight.T + bias))`` (plus ``z_loss * logsumexp(logits)**2`` per non-ignored
     token), computed chunk by chunk without the ``[tokens, vocab]`` logits.
@@ -577,12 +590,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     integer ``[...]``. ``ignore_index``, ``label_smoothing`` and ``reduction`` ("mean": over
     non-ignored targets, "sum", "none": per token, shaped like ``target``) are as in
     ``F.cross_entropy``; ``softcap=None`` is off. ``workspace_bytes`` bounds the chunk of
-    logits in flight; ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA). Works under
+    logits in flight; ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA). ``logits``:
+    ``hidden @ weight.T + bias`` as ``[tokens, V]`` if the caller has them anyway (e.g. to return
+    them): read instead of recomputed; no gradient flows into them. Works under
     ``torch.func.vmap``, ``grad`` and ``vmap(grad(...))``; double backward raises."""
     opts = (int(ignore_index), float(label_smoothing), float(logit_scale),
             None if softcap is None else float(softcap), float(z_loss), workspace_bytes, impl)
-    _check(hidden, weight, bias, target, reduction, _Opts(*opts))
+    _check(hidden, weight, bias, target, reduction, _Opts(*opts), logits)
     on = torch.is_grad_enabled()
     grads = (on and hidden.requires_grad, on and weight.requires_grad,
              on and bias is not None and bias.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, bias, target, opts, reduction, grads)[0]
+    return _LinearCrossEntropy.apply(hidden, weight, bias, target, opts, reduction, grads,
+                                     None if logits is None else logits.detach())[0]

@@ -251,3 +251,24 @@ def test_report_option_logs_the_plan_at_info(caplog):
     text = caplog.text
     assert "fxmem memory plan: graph" in text and "level 1" in text and "layers found" in text
     assert re.search(r"saved activations: [\d,]+ bytes", text)
+
+
+class _HalfSaved(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, dim=-1)
+        return self.out(a).sum() + b.sum()
+
+
+def test_a_kept_slice_counts_its_whole_storage():
+    """Regression (GPT-2's query and key are slices of one qkv buffer): keeping a view keeps its
+    whole storage; the plan said 128 bytes where autograd held 256."""
+    from fxmem.testing import assert_same_training_step
+
+    torch.manual_seed(0)
+    check = assert_same_training_step(_HalfSaved(), {"x": torch.randn(4, 8)})
+    assert check.held_bytes == check.planned_saved_bytes[0] == 4 * 16 * 4
+

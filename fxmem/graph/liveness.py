@@ -33,6 +33,18 @@ def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
+def storage_owners(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Node -> the node whose output storage it is (what keeping it keeps alive). As
+    :func:`storage_roots`, except that an element of a tuple an op returns (``native_layer_norm``'s
+    mean) is its own storage, while an element of a view-returning op (``split``) is its input's."""
+    owner: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        src = n.args[0] if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) else None
+        tuple_element = n.target is operator.getitem and src is not None and not is_alias(src)
+        owner[n] = owner.get(src, src) if src is not None and is_alias(n) and not tuple_element else n
+    return owner
+
+
 def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
     """Storage root -> position of the last node reading it through any alias (the output node
     reads what the graph returns)."""

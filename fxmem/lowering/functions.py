@@ -43,15 +43,26 @@ def _rows_of(h: Tensor, target: Tensor, index: tuple, hidden: int) -> tuple[Tens
     return h.reshape(-1, hidden), target.reshape(-1)
 
 
+def _logit_rows(logits: Tensor, index: tuple, vocab: int) -> Optional[Tensor]:
+    for idx in index:
+        logits = logits[idx]
+    try:
+        return logits.view(-1, vocab)
+    except RuntimeError:  # e.g. sliced along the sequence: rows are not a view; recomputed instead
+        return None
+
+
 def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, *,
                          index: tuple, hidden: int, ignore_index: int, label_smoothing: float,
-                         reduction: str, out_dtype: torch.dtype) -> Tensor:
+                         reduction: str, out_dtype: torch.dtype, logits: Optional[Tensor] = None) -> Tensor:
     """``F.cross_entropy(linear(h, weight, bias)[index].view(-1, V).float(), target, ...)``
-    without the logits (the kernel computes the gradients in the same pass for a reduced loss)."""
+    without the logits (the kernel computes the gradients in the same pass for a reduced loss).
+    ``logits``: the linear's output when the graph returns it too: read, not recomputed."""
     h2, t = _rows_of(h, target, index, hidden)
+    rows = None if logits is None else _logit_rows(logits, index, weight.shape[0])
     loss = K.linear_cross_entropy(h2, weight, t, bias, ignore_index=ignore_index,
                                   label_smoothing=label_smoothing, reduction=reduction,
-                                  workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL)
+                                  workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL, logits=rows)
     return loss if loss.dtype == out_dtype else loss.to(out_dtype)
 
 

@@ -186,9 +186,12 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     call = fn.per_example_linear_cross_entropy if region is not None else fn.linear_cross_entropy
     kwargs = dict(index=tuple(index[::-1]), hidden=int(tw.shape[1]), ignore_index=ignore_index,
                   label_smoothing=float(smoothing), reduction=reduction, out_dtype=tensor(n).dtype)
-    note = ("the logits are also a graph output: computed for it, their backward skipped when "
-            "their gradient is zero (return only the loss to save them too)") if returned else ""
+    note = ("the logits are also a graph output: computed once, for it and the loss; their "
+            "backward is skipped when their gradient is zero (return only the loss to save them "
+            "too)") if returned else ""
     kept = ((lin, fn.returned_logits),) if returned and region is None else ()
+    if kept:
+        kwargs["logits"] = lin  # computed for the output anyway: the loss reads them
     return Match(name, n, nodes, call, (h, w, b, target), kwargs, note, kept)
 
 

@@ -79,6 +79,26 @@ def test_matches_plain_pytorch_fp32(reduction, opts, bias, shape):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("opts", ["plain", "all"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_given_logits_are_read_not_recomputed(reduction, opts, impl, monkeypatch):
+    """``logits=``: the same loss and gradients, from the caller's logits (a chunk of them is
+    copied: poisoning the weight's data after the logits are computed would show a recompute)."""
+    if impl == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    h, w, b, t = _inputs((2, 5), bias=True, ignore=OPTIONS[opts].get("ignore_index", -100))
+    kw = dict(OPTIONS[opts], reduction=reduction, workspace_bytes=SMALL_WS)
+    logits = F.linear(h, w, b).detach().view(-1, V)
+    assert_same(lambda h, w, b: linear_cross_entropy(h, w, t, b, impl=impl, logits=logits, **kw),
+                lambda h, w, b: _ref(h, w, t, b, **kw), [h, w, b])
+    if reduction == "mean":  # the loss comes from the logits given, whatever the weight holds
+        wrong = linear_cross_entropy(h, torch.zeros_like(w), t, b, impl=impl, logits=logits, **kw)
+        torch.testing.assert_close(wrong, _ref(h, w, t, b, **kw))
+    with pytest.raises(ValueError, match=r"logits must have shape \[10, 40\]"):
+        linear_cross_entropy(h, w, t, b, logits=logits[:4], **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_default_workspace_one_chunk(reduction):
     _check((3, 7), True, reduction, OPTIONS["all"])
 
@@ -135,7 +155,7 @@ def test_backward_recomputes_when_forward_computed_no_gradients(reduction):
     opts = (-100, 0.1, 0.7, 4.0, 1e-2, SMALL_WS, "torch")
     kw = dict(label_smoothing=0.1, logit_scale=0.7, softcap=4.0, z_loss=1e-2, reduction=reduction)
     assert_same(lambda h, w, b: lce_mod._LinearCrossEntropy.apply(h, w, b, t, opts, reduction,
-                                                                  (False, False, False))[0],
+                                                                  (False, False, False), None)[0],
                 lambda h, w, b: _ref(h, w, t, b, **kw), [h, w, b])
 
 
