@@ -116,3 +116,19 @@ def test_report_cli_runs_a_script(tmp_path):
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "fxmem memory plan: graph 0, level 0" in run.stdout
+
+
+def test_report_of_a_model_never_includes_graphs_of_freed_models():
+    """Regression: reports were matched by parameter ids, which Python reuses once a model is
+    freed; compiling fresh copies in a loop gave 1, 1, 1, 2, 1, 3 graphs."""
+    import gc
+
+    w = build("tiny_gpt", batch=2, seq=8, layers=1, d=16, heads=2, vocab=32)
+    for _ in range(4):
+        torch._dynamo.reset()
+        m = copy.deepcopy(w.model)
+        c = torch.compile(m, backend="fxmem", options={"inner": "eager"})
+        w.loss(c(**w.batch)).backward()
+        assert len(fxmem.report(c).graphs) == 1
+        del m, c
+        gc.collect()

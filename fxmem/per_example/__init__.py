@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ..inputs import Inputs
 from ..options import OptionError
 from .chunk import split
 from .regions import Unsupported, find_regions
@@ -33,7 +34,7 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
     if whole_batch and not options.ghost_clipping:
         return None
     plan = ChunkPlan(0, requested=options.microbatch_size,
-                     input_ids=frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor)))
+                     input_ids=Inputs(example_inputs))
     try:
         regions = find_regions(gm.graph)
         if not regions:

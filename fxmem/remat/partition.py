@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from dataclasses import dataclass
@@ -13,7 +14,6 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..graph.joint import JointGraph
-from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..fallback import stage_failed
@@ -56,17 +56,18 @@ class Partitioner(CustomPartitionerFn):
         except Exception as e:  # noqa: BLE001 - the failure policy decides
             stage_failed("plan", e, self.options)
             return self._safe(joint)
+        log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
+                  chosen.level, len(chosen.saved), chosen.saved_bytes)
         try:
             result = split(joint, chosen.saved)
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, self.options)
             return self._safe(joint)
+        log.debug("fxmem split: %d values saved, %d recomputed in the backward", len(result.saved), len(result.recomputed))
         if self.options.inner == "eager":  # what the eager inner compiler will run: report exactly that
             reuse_dead_buffers(result.fw)
             reuse_dead_buffers(result.bw)
-        root = storage_roots(gm)  # inputs, and kept views of inputs, exist before the step
-        primals = set(joint.primals)
-        self._record(chosen, result, sizes, {n.name for n in root if root[n] in primals})
+        self._record(chosen, result, sizes, joint.input_names())
         return result.fw, result.bw
 
     @staticmethod
@@ -109,10 +110,24 @@ class Partitioner(CustomPartitionerFn):
         # Inductor deep-copies its config (us included) to hash it; the splits hold fake tensors.
         return self
 
+    def __reduce__(self):
+        # Inductor pickles its config (us included) into its cache keys; the records hold fx
+        # graphs, whose cycles make every compile bypass the cache. The uuid is what we are there.
+        return str, (self.uuid(),)
+
     def uuid(self) -> str:
-        """Inductor's cache key: fxmem's source code and the options."""
-        h = hashlib.sha256()
-        for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
-            h.update(path.read_bytes())
-        h.update(self.options.key().encode())
-        return h.hexdigest()
+        """Inductor's cache key: fxmem's version and source code (fxmem_kernels' too: lowered
+        graphs call its ops) and the options."""
+        return hashlib.sha256(f"{_source_key()}:{self.options.key()}".encode()).hexdigest()
+
+
+@functools.cache  # the code this process runs: read once
+def _source_key() -> str:
+    from .. import __version__
+
+    h = hashlib.sha256(__version__.encode())
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted([*(root / "fxmem").rglob("*.py"), *(root / "fxmem_kernels").rglob("*.py")]):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()

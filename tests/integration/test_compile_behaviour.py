@@ -1,0 +1,209 @@
+"""How fxmem behaves as a torch.compile backend: graph breaks, recompiles, caching, logging."""
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import fxmem
+from fxmem.backend import COMPILES
+from fxmem.models import build
+from fxmem.remat import partition
+from helpers import max_rel_err
+
+EAGER = {"inner": "eager"}
+
+
+class Block(nn.Module):
+    def __init__(self, d=16, h=64):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class TwoBlocks(nn.Module):
+    """Two pre-norm residual MLP layers (layer boundaries for level 1), optionally with a graph break between them."""
+
+    def __init__(self, graph_break=False):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(16), nn.LayerNorm(16)])
+        self.a, self.b, self.graph_break = Block(), Block(), graph_break
+
+    def forward(self, x):
+        h = x + self.a(self.norms[0](x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return (h + self.b(self.norms[1](h))).pow(2).mean()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    counters.clear()  # Dynamo's and Inductor's counters outlive torch._dynamo.reset()
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return TwoBlocks(**kw)
+
+
+def _step_matches_eager(model, compiled, x):
+    """One loss+backward through ``compiled`` (a compiled deep copy of ``model``) and through
+    ``model``; losses and gradients agree."""
+    model.zero_grad(set_to_none=True)
+    compiled.zero_grad(set_to_none=True)
+    ref = model(x)
+    ref.backward()
+    out = compiled(x)
+    out.backward()
+    assert max_rel_err(ref.detach(), out.detach()) <= 1e-5
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        assert max_rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+def _compile(model, options, **kw):
+    copy_ = copy.deepcopy(model)
+    return copy_, torch.compile(copy_, backend="fxmem", options=options, **kw)
+
+
+def _reports(since):
+    return [r.report for p in COMPILES[since:] for r in p.records]
+
+
+def test_graph_break_plans_each_graph():
+    model = _model(graph_break=True)
+    before = len(COMPILES)
+    _, compiled = _compile(model, EAGER)
+    _step_matches_eager(model, compiled, torch.randn(4, 16))
+    assert counters["graph_break"], "the model did not break the graph"
+    assert len(COMPILES) - before == 2  # one Dynamo graph per side of the break
+    assert [len(p.records) for p in COMPILES[before:]] == [1, 1]  # each planned once
+    assert all(rep.saved_bytes > 0 for rep in _reports(before))
+
+
+def test_dynamic_compiles_once_across_shapes():
+    model = _model()
+    before = len(COMPILES)
+    _, compiled = _compile(model, EAGER, dynamic=True)
+    for b, s in [(2, 8), (3, 12), (5, 6)]:
+        _step_matches_eager(model, compiled, torch.randn(b, s, 16))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(COMPILES) - before == 1 and len(COMPILES[-1].records) == 1
+    # one plan, as a formula over the batch and sequence sizes
+    assert {"x.size(0)", "x.size(1)"} <= set(_reports(before)[0].symbols.values())
+
+
+def _plan_of(rep):
+    return rep.saved_bytes, rep.saved_formula, [(c.id, c.config, c.enabled) for c in rep.clusters]
+
+
+def test_changed_options_recompile_same_options_replan_the_same():
+    w = build("tiny_gpt", batch=2, seq=8, vocab=64, d=32, layers=2)  # layers: level 1 keeps less
+
+    def plan_at(level):
+        before = len(COMPILES)
+        _, compiled = _compile(w.model, {**EAGER, "level": level})
+        out = w.loss(compiled(**w.batch))
+        out.backward()
+        (rep,) = _reports(before)
+        assert rep.level == level
+        return _plan_of(rep)
+
+    plans = [plan_at(0), plan_at(1)]  # the same module, compiled twice
+    assert plans[0][0] != plans[1][0], "levels 0 and 1 kept the same bytes"
+    torch._dynamo.reset()
+    assert plan_at(0) == plans[0]
+
+
+def test_cache_key_has_version_source_and_options(monkeypatch):
+    p0, p1 = (partition.Partitioner(fxmem.resolve({"level": n})) for n in (0, 1))
+    assert p0.uuid() == partition.Partitioner(fxmem.resolve({"level": 0})).uuid()
+    assert p0.uuid() != p1.uuid()
+    key = p0.uuid()
+    monkeypatch.setattr(fxmem, "__version__", fxmem.__version__ + ".post1")
+    partition._source_key.cache_clear()
+    try:
+        assert p0.uuid() != key
+    finally:
+        monkeypatch.undo()
+        partition._source_key.cache_clear()
+    # Inductor pickles its config, the partitioner included, into its cache key: that must work
+    # once the partitioner holds plans (fx graphs are cyclic), or every compile bypasses the cache
+    model = _model()
+    _, compiled = _compile(model, EAGER)
+    compiled(torch.randn(2, 16)).backward()
+    assert COMPILES[-1].records
+    assert pickle.loads(pickle.dumps(COMPILES[-1])) == COMPILES[-1].uuid()
+
+
+@pytest.mark.inductor
+def test_inductor_cache_serves_warm_run_and_misses_on_changed_option(tmp_path):
+    from torch._inductor.utils import clear_caches, fresh_cache
+
+    torch.manual_seed(0)
+    model, x = Block(8, 32), torch.randn(4, 8)  # the smallest graph: Inductor is slow on CPU
+
+    def run(options):
+        torch._dynamo.reset()
+        clear_caches()  # Inductor's in-memory caches: the next compile must go to the disk cache
+        counters.clear()
+        before = len(COMPILES)
+        _, compiled = _compile(model, {"inner": "inductor", **options})
+        out = compiled(x).pow(2).mean()
+        out.backward()
+        (rep,) = _reports(before)  # planned even when Inductor's cache serves the graphs
+        return dict(counters["inductor"]), rep
+
+    with fresh_cache(dir=str(tmp_path)):
+        cold, rep0 = run({})
+        warm, rep0_warm = run({})
+        # keep the GELU's output, which level 0 recomputes (decomposed under Inductor: mul+mul+erf+...)
+        (gelu,) = [c.id for c in rep0.clusters if c.enabled and "erf" in c.id]
+        changed, rep1 = run({"config": f"{gelu}:0:-1"})
+    assert not any(k.endswith("bypass") for c in (cold, warm, changed) for k in c), (cold, warm, changed)
+    assert cold.get("fxgraph_cache_miss") == 2 and not cold.get("fxgraph_cache_hit")  # forward, backward
+    assert warm.get("fxgraph_cache_hit") == 2 and not warm.get("fxgraph_cache_miss")
+    assert _plan_of(rep0_warm) == _plan_of(rep0)
+    assert changed.get("fxgraph_cache_miss") == 2 and not changed.get("fxgraph_cache_hit")
+    assert rep1.saved_bytes != rep0.saved_bytes  # a new plan, not a stale one
+
+
+STAGES = ("fxmem: compiling", "fxmem per-example", "fxmem lowering", "fxmem plan", "fxmem split",
+          "fxmem compile")
+
+
+def test_debug_log_names_each_stage(caplog):
+    caplog.set_level(logging.DEBUG, logger="fxmem")
+    model = _model()
+    _, compiled = _compile(model, EAGER)
+    compiled(torch.randn(2, 16)).backward()
+    debug = [r.getMessage() for r in caplog.records if r.name == "fxmem" and r.levelno == logging.DEBUG]
+    for stage in STAGES:
+        assert any(m.startswith(stage) for m in debug), f"no DEBUG message for {stage!r}: {debug}"
+    assert any("fxmem memory plan" in m for m in debug)  # the report table, at DEBUG without report=True
+    assert not [r for r in caplog.records if r.name == "fxmem" and r.levelno >= logging.INFO]
+
+
+def test_report_option_logs_table_at_info(caplog):
+    caplog.set_level(logging.INFO, logger="fxmem")
+    model = _model()
+    _, compiled = _compile(model, {**EAGER, "report": True})
+    compiled(torch.randn(2, 16)).backward()
+    info = [r.getMessage() for r in caplog.records if r.name == "fxmem" and r.levelno == logging.INFO]
+    assert len(info) == 1 and info[0].startswith("fxmem memory plan: graph"), info
+    assert "saved activations:" in info[0]
+
+
+def test_library_does_not_print(capfd):
+    model = _model(graph_break=True)
+    _, compiled = _compile(model, EAGER, dynamic=True)
+    for b in (2, 3):
+        compiled(torch.randn(b, 16)).backward()
+    fxmem.report(compiled)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", (out, err)
