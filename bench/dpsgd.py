@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     out.mkdir(exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     (out / f"{name}.md").write_text(_markdown(rows, meta))
-    print(f"targets:", flush=True)
+    print("targets:", flush=True)
     for t in meta["targets"]:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
     print(f"wrote {out / name}.json and .md ({meta['wall_s']:.0f} s)", flush=True)

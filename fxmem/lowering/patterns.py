@@ -14,7 +14,7 @@ their GELU before bias-GELU looks for one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -24,7 +24,7 @@ from torch._functorch import predispatch
 from ..options import LOWERING_PATTERNS
 from . import functions as fn
 from .match import (POINTWISE, arg, commuted, is_cast_to, is_number, last_dim_vector, only_users, op,
-                    same_shape, tensor, val)
+                    same_shape, tensor)
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -2,7 +2,6 @@
 a training step, its report's byte claims match measurement, and memory falls as asked."""
 import warnings
 
-import pytest
 import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
