@@ -2,6 +2,7 @@
 
 Every op that is not a view, a getitem or an in-place write allocates its output; a storage is
 freed after the last read of any node aliasing it (boxed graphs free their inputs the same way).
+Ops with known internal buffers (:mod:`.scratch`) allocate and free them where they run.
 Graph outputs stay alive. The schedule holds formulas, so one schedule gives the peak at any shape.
 """
 
@@ -14,6 +15,7 @@ from typing import Callable, Mapping
 import sympy
 import torch.fx as fx
 
+from .scratch import scratch_bytes
 from .sizes import SymbolicSizes
 
 
@@ -71,6 +73,9 @@ def schedule(gm: fx.GraphModule, sizes: SymbolicSizes,
         if (n.op == "placeholder" and counted(n)) or (n.op == "call_function" and root[n] is n):
             live[n] = sizes.nbytes(n)
             events.append(("alloc", n.name, live[n]))
+        extra = scratch_bytes(n) if n.op == "call_function" else 0
+        if extra != 0:  # the op's own buffers, freed before it returns
+            events += [("alloc", f"{n.name}.scratch", extra), ("free", f"{n.name}.scratch", extra)]
         for r in [r for r in live if last.get(r, i) == i]:
             events.append(("free", r.name, live.pop(r)))
     return events
