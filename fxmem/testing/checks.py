@@ -74,7 +74,10 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in keep:
+        # A 0-d float64 is a Python float Dynamo passed as a graph input (dynamic shapes
+        # "tensorify" floats, e.g. a norm's eps): an input, like the model's own, not an activation.
+        lifted_float = t.dim() == 0 and t.dtype == torch.float64
+        if ptr not in keep and not lifted_float:
             held[ptr] = t.untyped_storage().nbytes()
         return t
 
