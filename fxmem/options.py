@@ -77,12 +77,9 @@ class Options:
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
     # Pattern lowering to fxmem_kernels (fxmem/lowering/patterns.py): True, False, or a dict
-    # pattern -> bool (patterns not named stay on). Off by default until (1) the planner may
-    # recompute the fused forward ops (remat/allowlist.py treats them as never recomputable, so
-    # a fused norm or activation keeps its output where the planner would recompute the unfused
-    # one), (2) the peak prediction counts the kernels' internal workspace (report.predict_peak
-    # under-predicts a fused cross-entropy's chunk buffer) and (3) seeded dropout, which draws
-    # other masks than aten's dropout for the same seed, is acceptable as a default.
+    # pattern -> bool (patterns not named stay on). Off by default until (1) the Triton kernels
+    # have run on a GPU (so far: the interpreter, and compiled for sm_90) and (2) seeded dropout,
+    # which draws other masks than aten's dropout for the same seed, is acceptable as a default.
     lowering: bool | Mapping[str, bool] = False
     ghost_clipping: bool = True
     report: bool = False
