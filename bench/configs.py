@@ -7,7 +7,8 @@ a name, a *kind* (how it is built) and an options dict that the kind interprets:
     hf_ckpt         HF gradient checkpointing, non-reentrant           (no options)
     aot_eager       torch.compile(backend="aot_eager")                 (no options)
     aot_eager_plain torch.compile(backend="aot_eager_default_partitioner")
-    mincut_eager    aot_autograd(nop compilers, partition_fn=min_cut_rematerialization_partition)
+    mincut_eager    aot_autograd(nop compilers, partition_fn=min_cut_rematerialization_partition);
+                    option ``activation_memory_budget`` as for inductor
     inductor        torch.compile(); option ``activation_memory_budget`` sets
                     torch._functorch.config.activation_memory_budget, every other option goes to
                     torch.compile(options=...) (Inductor's config)
@@ -123,13 +124,27 @@ def _compile(backend: str):
     return build
 
 
+def _set_activation_memory_budget(cfg: Config) -> dict:
+    """The config's options without ``activation_memory_budget``, which goes into
+    torch._functorch.config (read by the min-cut partitioner when the graph is compiled, at the
+    first call; the worker is a fresh process, so setting the global is enough)."""
+    import torch
+
+    opts = dict(cfg.options)
+    if "activation_memory_budget" in opts:
+        torch._functorch.config.activation_memory_budget = float(opts.pop("activation_memory_budget"))
+    return opts
+
+
 def _mincut_eager(model, cfg: Config):
     import torch
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    _no_options(cfg)
+    if _set_activation_memory_budget(cfg):
+        raise ValueError(f"config {cfg.name!r} (kind mincut_eager) takes only activation_memory_budget, "
+                         f"got {dict(cfg.options)}")
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                            partition_fn=min_cut_rematerialization_partition)
     return torch.compile(model, backend=backend)
@@ -138,11 +153,7 @@ def _mincut_eager(model, cfg: Config):
 def _inductor(model, cfg: Config):
     import torch
 
-    opts = dict(cfg.options)
-    if "activation_memory_budget" in opts:
-        # Read by the min-cut partitioner when the graph is compiled (at the first call); the
-        # worker is a fresh process, so setting the global is enough.
-        torch._functorch.config.activation_memory_budget = float(opts.pop("activation_memory_budget"))
+    opts = _set_activation_memory_budget(cfg)
     return torch.compile(model, backend="inductor", options=opts or None)
 
 
@@ -238,6 +249,9 @@ for _inner, _what in (("eager", "eager"), ("inductor", "Inductor")):
 for _b in (0.9, 0.7, 0.3):  # 0.5 and 0.1 are registered above
     CONFIGS.append(Config(f"inductor+budget{_b}", "inductor", {"activation_memory_budget": _b},
                           description=f"Inductor with torch._functorch.config.activation_memory_budget = {_b}"))
+for _b in BUDGET_FRACTIONS:  # the same knob with the eager inner compiler: fxmem-eager's baseline
+    CONFIGS.append(Config(f"mincut_eager+budget{_b}", "mincut_eager", {"activation_memory_budget": _b},
+                          description=f"mincut_eager with torch._functorch.config.activation_memory_budget = {_b}"))
 REGISTRY: dict[str, Config] = {c.name: c for c in CONFIGS}
 DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS)
 BASELINE = "eager"
