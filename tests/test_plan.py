@@ -64,7 +64,9 @@ def test_level0_recomputes_activation_instead_of_keeping_both():
 
 
 def test_levels_reduce_saved_bytes_and_keep_gradients():
-    w = build("hf_gpt2", **GPT)
+    # Narrow (d=32), so activations, not parameter gradients, make the peak: level 1 lowers it
+    # (a level 1 plan that would not is replaced by level 0's: see the test below)
+    w = build("hf_gpt2", batch=4, seq=64, layers=2, vocab=256, d=32, heads=2)
     p0, s0, _ = _run(w)
     torch._dynamo.reset()
     p1, s1, _ = _run(w, level=1)
@@ -271,4 +273,15 @@ def test_a_kept_slice_counts_its_whole_storage():
     torch.manual_seed(0)
     check = assert_same_training_step(_HalfSaved(), {"x": torch.randn(4, 8)})
     assert check.held_bytes == check.planned_saved_bytes[0] == 4 * 16 * 4
+
+
+def test_level1_that_would_not_lower_the_peak_keeps_level0s_plan():
+    """GPT at a shape where the backward's peak is the parameter gradients: recomputing the
+    layers would cost time and lower nothing, so level 1 keeps level 0's plan, and says so."""
+    w = build("hf_gpt2", **GPT)
+    p0, _, _ = _run(w)
+    torch._dynamo.reset()
+    p1, s1, _ = _run(w, level=1)
+    assert any("not below level 0's; using level 0's plan" in n for n in p1.notes)
+    assert p1.saved_bytes == p0.saved_bytes and not any("mm" in str(n.target) for n in s1.recomputed)
 

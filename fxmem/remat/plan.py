@@ -148,9 +148,10 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     plain0 = not (options.config or options.memory_budget or must_save or must_recompute)
     level0 = saved if options.level == 0 and plain0 else solve(
         CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
-    if options.level > 0 and plain0 and predicted_peak(joint, saved, sizes, options) > predicted_peak(
+    # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then.
+    if options.level > 0 and plain0 and predicted_peak(joint, saved, sizes, options) >= predicted_peak(
             joint, level0, sizes, options):
-        notes.append(f"level {options.level}: its plan's simulated peak is above level 0's; using level 0's plan")
+        notes.append(f"level {options.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
     if options.memory_budget is not None:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
