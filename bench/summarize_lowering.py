@@ -11,12 +11,10 @@ same level): peak at most 0.6x, median step time at most 1.1x, loss and gradient
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
-from summarize_planner import HERE, Results, _pf, _time_ratio
+import summarize_planner
+from summarize_planner import Results, _pf, _time_ratio
 
 HEADING = '## Targets (issue "[lowering]")'
 PEAK_MAX, TIME_MAX = 0.6, 1.1
@@ -68,24 +66,5 @@ def targets(doc: dict, notes: list[str]) -> str:
     return "\n".join(head + rows + ["", PATTERNS, ""])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--name", default="lowering")
-    p.add_argument("--dir", default=str(HERE / "results"))
-    p.add_argument("--note", action="append", default=[], help="a line under the heading; repeatable")
-    a = p.parse_args(argv)
-    d = Path(a.dir)
-    doc = json.loads((d / f"{a.name}.json").read_text())
-    md_path = d / f"{a.name}.md"
-    md = md_path.read_text()
-    cut = md.find("\n" + HEADING + "\n")
-    if cut >= 0:
-        md = md[:cut + 1]
-    section = targets(doc, a.note)
-    md_path.write_text(md.rstrip("\n") + "\n\n" + section)
-    print(section)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(summarize_planner.main(name="lowering", heading=HEADING, section=targets, description=__doc__))

@@ -217,9 +217,12 @@ def targets(doc: dict, notes: list[str] = ()) -> str:
     return "\n".join(head + body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--name", default="planner")
+def main(argv: list[str] | None = None, name: str = "planner", heading: str = HEADING, section=None,
+         description: str = __doc__) -> int:
+    """Append the section ``section(doc, notes)`` writes to ``<dir>/<name>.md`` (replacing the
+    one under ``heading``) and print it; summarize_lowering.py runs this with its own."""
+    p = argparse.ArgumentParser(description=description.split("\n")[0])
+    p.add_argument("--name", default=name)
     p.add_argument("--dir", default=str(HERE / "results"))
     p.add_argument("--note", action="append", default=[],
                    help="a line to print under the heading (e.g. how the run was invoked); repeatable")
@@ -228,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads((d / f"{a.name}.json").read_text())
     md_path = d / f"{a.name}.md"
     md = md_path.read_text()
-    cut = md.find("\n" + HEADING + "\n")
+    cut = md.find("\n" + heading + "\n")
     if cut >= 0:
         md = md[:cut + 1]
-    section = targets(doc, a.note)
-    md_path.write_text(md.rstrip("\n") + "\n\n" + section)
-    print(section)
+    text = (section or targets)(doc, a.note)
+    md_path.write_text(md.rstrip("\n") + "\n\n" + text)
+    print(text)
     return 0
 
 
