@@ -285,3 +285,20 @@ def test_level1_that_would_not_lower_the_peak_keeps_level0s_plan():
     assert any("not below level 0's; using level 0's plan" in n for n in p1.notes)
     assert p1.saved_bytes == p0.saved_bytes and not any("mm" in str(n.target) for n in s1.recomputed)
 
+
+
+def test_recompute_cost_counts_matmul_and_attention_flops():
+    """Matmuls and attention cost their FLOPs, not their output elements (the budget ranks recompute
+    by this). CPU flash attention has no formula in torch: priced as the CUDA one (4*b*h*s*s*d)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxmem.graph.cost import recompute_cost
+    from fxmem.graph.sizes import SymbolicSizes
+
+    b, h, s, d = 2, 3, 16, 8
+    q, w, bias = torch.randn(b, h, s, d), torch.randn(d, 5), torch.randn(5)
+    gm = make_fx(lambda q, w, bias: (F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                                     torch.addmm(bias, q.view(-1, d), w)))(q, w, bias)
+    cost = {n.target: recompute_cost(n, SymbolicSizes()) for n in gm.graph.nodes if n.op == "call_function"}
+    assert cost[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] == 4 * b * h * s * s * d
+    assert cost[torch.ops.aten.addmm.default] == 2 * (b * h * s) * d * 5

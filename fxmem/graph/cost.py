@@ -10,6 +10,11 @@ from torch.utils.flop_counter import flop_registry
 
 from .sizes import SymbolicSizes
 
+aten = torch.ops.aten
+# Ops torch's flop counter has no formula for, priced by one that computes the same thing (CPU
+# flash attention would otherwise cost its output elements, making attention look free).
+_SAME_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention}
+
 
 def _shape(arg, sizes: SymbolicSizes):
     if isinstance(arg, fx.Node):
@@ -27,14 +32,14 @@ def recompute_cost(node: fx.Node, sizes: SymbolicSizes) -> float:
     if node.op != "call_function":
         return 0.0
     packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(packet)
+    formula = flop_registry.get(_SAME_FLOPS.get(packet, packet))
     val = node.meta.get("val")
     if formula is not None:
         try:
             out = sizes.shape_at(val[0] if isinstance(val, (tuple, list)) else val)
             args = [_shape(a, sizes) for a in node.args]
             kwargs = {k: _shape(v, sizes) for k, v in node.kwargs.items()}
-            return float(formula(*args, out_shape=out, **kwargs))
+            return float(formula(*args, out_val=out, **kwargs))
         except Exception:  # a formula that wants arguments we do not shape: fall back
             pass
     vals = val if isinstance(val, (tuple, list)) else [val]
