@@ -53,6 +53,17 @@ def test_predict_peak_matches_measurement(compiled_llama, batch, seq):
     assert abs(rep.predict_peak(input_ids=(batch, seq)) - measured) <= 0.02 * measured
 
 
+@pytest.mark.parametrize("batch, seq", [(2, 32), (4, 48)])
+def test_peak_breakdown_sums_to_the_peak_and_names_the_vocabulary_sized_tensors(compiled_llama, batch, seq):
+    _, _, compiled = compiled_llama
+    rep = fxmem.report(compiled)
+    b = rep.peak_breakdown(input_ids=(batch, seq))
+    assert b["peak"] == rep.predict_peak(input_ids=(batch, seq)) == sum(n for _, n in b["live"])
+    assert b["phase"] == "backward"  # level 1: the cross-entropy backward's logits-sized buffers make the peak
+    assert b["live"][0][1] == batch * seq * SMALL["vocab"] * 4
+    assert "largest alive:" in str(rep)
+
+
 def test_max_batch_fits_and_next_does_not(compiled_llama):
     w, model, compiled = compiled_llama
     rep = fxmem.report(compiled)

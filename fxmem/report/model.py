@@ -95,6 +95,15 @@ class GraphReport:
         fw, bw = self._parsed
         return max(peak(fw, values).peak, peak(bw, values).peak)
 
+    def peak_breakdown(self, **shapes: Any) -> dict:
+        """What is alive at the predicted peak: ``{"phase": "forward" | "backward", "peak": bytes,
+        "at": the node whose allocation reached it, "live": [(value name, bytes), ...] largest
+        first}``. In the backward, kept values carry their forward names."""
+        values = self.values_at(**shapes)
+        fw, bw = (peak(events, values) for events in self._parsed)
+        phase, at = ("forward", fw) if fw.peak >= bw.peak else ("backward", bw)
+        return {"phase": phase, "peak": at.peak, "at": at.peak_at, "live": [list(kv) for kv in at.live_at_peak]}
+
     @cached_property
     def _parsed(self) -> tuple[list[Event], list[Event]]:
         return _events(self.forward), _events(self.backward)
@@ -136,6 +145,11 @@ class MemoryReport:
     def predict_peak(self, **shapes: Any) -> int:
         """Predicted peak bytes of a training step at the given input shapes (latest graph)."""
         return self._graph().predict_peak(**shapes)
+
+    def peak_breakdown(self, **shapes: Any) -> dict:
+        """Tensors alive at the predicted peak at the given input shapes (latest graph); see
+        ``GraphReport.peak_breakdown``."""
+        return self._graph().peak_breakdown(**shapes)
 
     def max_batch(self, cap: int | str, limit: int = 1 << 20, **shapes: Any) -> int:
         """Largest batch (dimension 0 of the inputs) whose predicted peak fits in ``cap``.

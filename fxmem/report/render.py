@@ -14,6 +14,12 @@ def _short(config: str, width: int = 64) -> str:
     return config if len(config) <= width else f"{config[:40]}...{config[-(width - 43):]}"
 
 
+def _largest(b: dict, n: int = 4) -> str:
+    live = ", ".join(f"{name} {_mb(nbytes)}" for name, nbytes in b["live"][:n])
+    more = len(b["live"]) - n
+    return f"in the {b['phase']} at {b['at']}; largest alive: {live}" + (f" and {more} more" if more > 0 else "")
+
+
 def table(g: GraphReport) -> str:
     w = max([len(_short(r.config)) for r in g.clusters] + [len("config")])
     lines = [f"fxmem memory plan: graph {g.index}, level {g.level}",
@@ -24,7 +30,7 @@ def table(g: GraphReport) -> str:
     peak = g.predict_peak()
     lines += [
         f"saved activations: {g.saved_bytes:,d} bytes ({_mb(g.saved_bytes)}) = {g.saved_formula}",
-        f"predicted step peak: {peak:,d} bytes ({_mb(peak)})",
+        f"predicted step peak: {peak:,d} bytes ({_mb(peak)}), {_largest(g.peak_breakdown())}",
         f"recompute cost: {g.recompute_cost:,.0f} FLOPs",
         f"kept without recompute (plain partition): {_mb(g.plain_bytes)}; level 0 alone: "
         f"{_mb(g.level0_bytes)}; this plan: {_mb(g.saved_bytes)}",
