@@ -52,6 +52,19 @@ def _grad_norm(model) -> float:
     return math.sqrt(total.item())
 
 
+def workload(model_name: str, kwargs: dict, seed: int, device: str):
+    """(the model's workload, its batch on ``device``)."""
+    from fxmem.models import build
+
+    wl = build(model_name, seed=seed, **kwargs)
+    if getattr(wl.model, "loss_type", "") is None and hasattr(wl.model, "loss_function"):
+        # GPT2LMHeadModel has no loss_type: HF then logs a warning_once inside forward, which is a
+        # Dynamo graph break between the model and its loss. Name the loss HF would use anyway.
+        wl.model.loss_type = "ForCausalLM"
+    wl.model.to(device)
+    return wl, {k: v.to(device) for k, v in wl.batch.items()}
+
+
 def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int, quick: bool,
             device: str, seed: int, threads: int | None = None) -> dict:
     import statistics
@@ -62,7 +75,6 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         torch.set_num_threads(threads)
     from torch._dynamo.utils import counters
 
-    from fxmem.models import build
     from fxmem.profiling import step_perf
 
     kwargs = configs.model_kwargs(model_name, quick)
@@ -72,13 +84,7 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         "model_kwargs": kwargs, "device": device, "threads": torch.get_num_threads(),
         "steps": steps, "warmup": warmup, "mem_steps": mem_steps,
     }
-    wl = build(model_name, seed=seed, **kwargs)
-    if getattr(wl.model, "loss_type", "") is None and hasattr(wl.model, "loss_function"):
-        # GPT2LMHeadModel has no loss_type: HF then logs a warning_once inside forward, which is a
-        # Dynamo graph break between the model and its loss. Name the loss HF would use anyway.
-        wl.model.loss_type = "ForCausalLM"
-    wl.model.to(device)
-    batch = {k: v.to(device) for k, v in wl.batch.items()}
+    wl, batch = workload(model_name, kwargs, seed, device)
     model = wl.model
     params = list(model.parameters())
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in params)

@@ -1,0 +1,110 @@
+"""Step time of several configurations of one model, measured interleaved in one process.
+
+    python bench/interleaved.py --name budget-time --model hf_gpt2 --rounds 15 \
+        --configs 'inductor+budget0.9,fxmem-inductor+budget0.9'
+
+``bench/run.py`` measures each configuration in its own process, one after another, so a slow
+phase of this shared machine (5-25%) lands on whichever configuration runs then. Here every
+configuration is compiled and warmed up first; then each round runs one step of each, in an order
+that rotates from round to round, and the medians compare steps taken side by side. Memory is
+not measured here (run.py does that exactly, one process per configuration).
+
+Writes ``bench/results/<name>.{json,md}``: per configuration the median and fastest step and
+their ratios to the first configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import configs  # noqa: E402
+from worker import workload  # noqa: E402
+
+
+def _compiled(model, spec: str, step):
+    """Build and warm up one configuration. torch reads ``activation_memory_budget`` when it
+    compiles (the first step), so it is set for this configuration's warm-up only."""
+    import torch
+
+    before = torch._functorch.config.activation_memory_budget
+    try:
+        fn = configs.build(model, configs.parse(spec))
+        for _ in range(2):
+            step(model, fn)
+    finally:
+        torch._functorch.config.activation_memory_budget = before
+    return fn
+
+
+def measure(model_name: str, specs: list[str], rounds: int, quick: bool, threads: int) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(threads)
+    wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
+
+    def step(model, fn):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        wl.loss(fn(**batch)).backward()
+        return time.perf_counter() - t0
+
+    models = {s: copy.deepcopy(wl.model) for s in specs}
+    fns = {}
+    for s in specs:
+        print(f"compiling {s} ...", flush=True)
+        fns[s] = _compiled(models[s], s, step)
+    times: dict[str, list[float]] = {s: [] for s in specs}
+    for r in range(rounds):
+        k = r % len(specs)
+        for s in specs[k:] + specs[:k]:
+            times[s].append(step(models[s], fns[s]))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{s} {times[s][-1] * 1e3:.0f} ms" for s in specs), flush=True)
+    base = statistics.median(times[specs[0]]), min(times[specs[0]])
+    return [{"config": s, "median_s": statistics.median(t), "min_s": min(t), "step_times_s": t,
+             "median_ratio": statistics.median(t) / base[0], "min_ratio": min(t) / base[1]}
+            for s, t in times.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--name", required=True)
+    p.add_argument("--model", required=True, choices=sorted(configs.MODELS))
+    p.add_argument("--configs", required=True, help="comma-separated; ratios are to the first")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    a = p.parse_args(argv)
+    specs = configs.split_specs(a.configs)
+    if len(specs) < 2 or a.rounds < 1:
+        p.error("give at least two configurations and one round")
+    rows = measure(a.model, specs, a.rounds, a.quick, a.threads)
+    import torch
+
+    stamp = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {a.threads} thread(s)"
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps({"model": a.model, "rounds": a.rounds, "when": stamp,
+                                                    "argv": sys.argv, "rows": rows}, indent=1))
+    lines = [f"# Interleaved step time: `{a.name}`", "", f"`python bench/interleaved.py {' '.join(sys.argv[1:])}`", "",
+             f"{stamp}; model `{a.model}`; {a.rounds} rounds of one step per configuration, order rotating.", "",
+             "| config | median ms | fastest ms | median / first | fastest / first |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['config']} | {r['median_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | {r['median_ratio']:.3f} | "
+              f"{r['min_ratio']:.3f} |" for r in rows]
+    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-len(rows) - 2:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
