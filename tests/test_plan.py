@@ -132,6 +132,19 @@ def test_budget_monotone_and_within_cap():
         last_bytes, last_peak = p.saved_bytes, peak
 
 
+def test_budget_between_frontier_cuts_recomputes_less_than_the_cut_under_the_cap():
+    """Frontier cuts jump by whole sets of layers; a cap between two takes the cheaper cut plus as
+    much of the other's kept values as fits: more bytes and less recompute than that cut."""
+    w = build("hf_gpt2", **GPT)
+    p0, _, _ = _run(w)
+    torch._dynamo.reset()
+    p, split, _ = _run(w, memory_budget=0.9)
+    cap = 0.9 * p0.saved_bytes
+    cut_bytes, cut_cost = max((b, c) for b, c, _ in p.frontier() if b <= cap)
+    assert cut_bytes < p.saved_bytes <= cap
+    assert 0 < sum(p.problem.cost[n] for n in split.recomputed) < cut_cost
+
+
 def test_infeasible_budget_names_smallest_feasible():
     w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64)
     model = copy.deepcopy(w.model)

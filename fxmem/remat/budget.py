@@ -13,8 +13,9 @@ peak is never higher.
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
 than it needs. Between two neighbouring cuts the candidates therefore also include the one with
-fewer bytes plus the other's extra kept values, one layer at a time (a superset of a valid saved
-set is valid: it only recomputes less).
+fewer bytes plus a growing part of the other's extra kept values, the last layer's first (the
+backward frees them first); a superset of a valid saved set is valid: it only recomputes less.
+At most ``STEPS`` such plans per pair keep the simulations few on deep models.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .mincut import CutProblem, frontier, saved_bytes
 from .split import split
 
 LAM_LO, LAM_HI = 1e-9, 1e4
+STEPS = 8
 
 
 class BudgetError(OptionError):
@@ -63,25 +65,17 @@ def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: Sy
             if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
 
 
-def _between(more: list[fx.Node], fewer: list[fx.Node], layer: dict[fx.Node, str],
-              pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """``fewer`` plus ``more``'s extra kept values, layer by layer (the last layer first: the
-    backward frees its values first), most bytes first; neither end included."""
-    extra: dict[object, list[fx.Node]] = {}
-    for n in more:
-        if n not in set(fewer):
-            extra.setdefault(layer.get(n, n.name), []).append(n)
-    groups = list(extra.values())
-    out, acc = [], list(fewer)
-    for g in groups[::-1][:-1]:
-        acc = acc + g
-        out.append(sorted(acc, key=pos.__getitem__))
-    return out[::-1]
+def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """``fewer`` plus the first j of ``more``'s extra kept values (last in the graph first; graph
+    inputs cost nothing and are left out), for at most ``STEPS`` evenly spaced j; neither end."""
+    kept = set(fewer)
+    extra = sorted((n for n in more if n not in kept and n.op != "placeholder"), key=pos.__getitem__, reverse=True)
+    ends = sorted({len(extra) * i // (STEPS + 1) for i in range(1, STEPS + 1)} - {0, len(extra)})
+    return [sorted(fewer + extra[:j], key=pos.__getitem__) for j in ends]
 
 
 def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
-                  recomputable: set[fx.Node], keep: set[fx.Node], layer: dict[fx.Node, str],
-                  problem: Callable[[frozenset], CutProblem],
+                  recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
                   notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
     """(saved set, recompute weight, recomputable set) for ``options.memory_budget``.
 
@@ -99,7 +93,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
     candidates = [cuts[0]]
     for (more, _), (fewer, lam) in zip(cuts, cuts[1:]):
-        candidates += [(c, lam) for c in _between(more, fewer, layer, pos)] + [(fewer, lam)]
+        candidates += [(c, lam) for c in _between(more, fewer, pos)] + [(fewer, lam)]
     candidates.sort(key=lambda c: -saved_bytes(p, c[0]))  # stable: the cuts' own order on ties
     admissible, lowest = [], None
     for saved, lam in candidates:
@@ -119,5 +113,5 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     saved, lam, peak = fits[0]
     notes.append(f"memory budget {cap} bytes: saved {saved_bytes(p, saved)} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute weight {lam:.3g}; "
-                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and layer-by-layer steps between them) do not raise the peak")
+                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and steps between them) do not raise the peak")
     return saved, lam, recomp

@@ -155,8 +155,8 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
     if options.memory_budget is not None:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-        saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save | fences, key,
-                                          problem, notes)
+        saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save | fences, problem,
+                                          notes)
     kept = {owner[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
