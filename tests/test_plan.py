@@ -299,7 +299,6 @@ def test_level1_that_would_not_lower_the_peak_keeps_level0s_plan():
     assert p1.saved_bytes == p0.saved_bytes and not any("mm" in str(n.target) for n in s1.recomputed)
 
 
-
 def test_recompute_cost_counts_matmul_and_attention_flops():
     """Matmuls and attention cost their FLOPs, not their output elements (the budget ranks recompute
     by this). CPU flash attention has no formula in torch: priced as the CUDA one (4*b*h*s*s*d)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -10,6 +11,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .sizes import SymbolicSizes
 
+log = logging.getLogger("fxmem")
 aten = torch.ops.aten
 # Ops torch's flop counter has no formula for, priced by one that computes the same thing (CPU
 # flash attention would otherwise cost its output elements, making attention look free).
@@ -40,7 +42,8 @@ def recompute_cost(node: fx.Node, sizes: SymbolicSizes) -> float:
             args = [_shape(a, sizes) for a in node.args]
             kwargs = {k: _shape(v, sizes) for k, v in node.kwargs.items()}
             return float(formula(*args, out_val=out, **kwargs))
-        except Exception:  # a formula that wants arguments we do not shape: fall back
-            pass
+        except Exception as e:  # a formula that wants arguments we do not shape: fall back, visibly
+            log.debug("recompute cost of %s: flop formula failed (%s: %s); counting output elements",
+                      node.name, type(e).__name__, e)
     vals = val if isinstance(val, (tuple, list)) else [val]
     return float(sum(math.prod(sizes.shape_at(v)) for v in vals if isinstance(v, torch.Tensor)))

@@ -27,10 +27,11 @@ def table(g: GraphReport) -> str:
     for r in g.clusters:
         lines.append(f"{_short(r.config):{w}s}  {'on ' if r.enabled else 'off'}  {r.frequency:4d}  "
                      f"{r.saving_bytes:14,d}   {r.saving_formula}")
-    peak = g.predict_peak()
+    breakdown = g.peak_breakdown()
+    peak = breakdown["peak"]
     lines += [
         f"saved activations: {g.saved_bytes:,d} bytes ({_mb(g.saved_bytes)}) = {g.saved_formula}",
-        f"predicted step peak: {peak:,d} bytes ({_mb(peak)}), {_largest(g.peak_breakdown())}",
+        f"predicted step peak: {peak:,d} bytes ({_mb(peak)}), {_largest(breakdown)}",
         f"recompute cost: {g.recompute_cost:,.0f} FLOPs",
         f"kept without recompute (plain partition): {_mb(g.plain_bytes)}; level 0 alone: "
         f"{_mb(g.level0_bytes)}; this plan: {_mb(g.saved_bytes)}",
