@@ -241,17 +241,29 @@ for _inner in ("eager", "inductor"):
 # Inductor's ``activation_memory_budget`` a fraction of its min-cut plan's. A fxmem budget below
 # its feasible floor fails at compile time (the result's status is then "infeasible").
 BUDGET_FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1)
-for _inner, _what in (("eager", "eager"), ("inductor", "Inductor")):
+BUDGET_BASES = ("fxmem-eager", "fxmem-inductor", "inductor", "mincut_eager")
+
+
+def _pretty(name: str) -> str:
+    return "Inductor" if name == "inductor" else name
+
+
+def budget_config(base: Config, fraction: float) -> Config:
+    """``base`` with a budget of ``fraction``: fxmem's ``memory_budget``, torch's
+    ``activation_memory_budget`` for the Inductor and min-cut configurations."""
+    if base.kind == "fxmem":
+        return Config(f"{base.name}+budget{fraction}", "fxmem", {**base.options, "memory_budget": fraction},
+                      description=f"fxmem level 0, {_pretty(base.options['inner'])} inner compiler, memory_budget = "
+                                  f"{fraction} (fraction of level 0's saved bytes)")
+    return Config(f"{base.name}+budget{fraction}", base.kind, {"activation_memory_budget": fraction},
+                  description=f"{_pretty(base.name)} with torch._functorch.config.activation_memory_budget = {fraction}")
+
+
+_BY_NAME = {c.name: c for c in CONFIGS}
+for _base in BUDGET_BASES:
     for _b in BUDGET_FRACTIONS:
-        CONFIGS.append(Config(f"fxmem-{_inner}+budget{_b}", "fxmem", {"inner": _inner, "memory_budget": _b},
-                              description=f"fxmem level 0, {_what} inner compiler, memory_budget = {_b} "
-                                          "(fraction of level 0's saved bytes)"))
-for _b in (0.9, 0.7, 0.3):  # 0.5 and 0.1 are registered above
-    CONFIGS.append(Config(f"inductor+budget{_b}", "inductor", {"activation_memory_budget": _b},
-                          description=f"Inductor with torch._functorch.config.activation_memory_budget = {_b}"))
-for _b in BUDGET_FRACTIONS:  # the same knob with the eager inner compiler: fxmem-eager's baseline
-    CONFIGS.append(Config(f"mincut_eager+budget{_b}", "mincut_eager", {"activation_memory_budget": _b},
-                          description=f"mincut_eager with torch._functorch.config.activation_memory_budget = {_b}"))
+        if f"{_base}+budget{_b}" not in _BY_NAME:  # inductor+budget0.5 and 0.1 are registered above
+            CONFIGS.append(budget_config(_BY_NAME[_base], _b))
 REGISTRY: dict[str, Config] = {c.name: c for c in CONFIGS}
 DEFAULT_CONFIGS = tuple(c.name for c in CONFIGS)
 BASELINE = "eager"
@@ -271,6 +283,12 @@ def parse(spec: str) -> Config:
     """``name`` or ``name:{json object}`` (the object is merged into the config's options)."""
     spec = spec.strip()
     name, sep, extra = spec.partition(":")
+    base, plus, fraction = name.rpartition("+budget")
+    if name not in REGISTRY and plus and base in REGISTRY and base in BUDGET_BASES:
+        try:  # any fraction, not only the registered sweep's: e.g. fxmem-inductor+budget0.96
+            return budget_config(REGISTRY[base], float(fraction))
+        except ValueError:
+            pass
     if name not in REGISTRY:
         raise ValueError(f"unknown config {name!r}; known: {', '.join(REGISTRY)}")
     if not sep:

@@ -35,8 +35,13 @@ def compare_step(workload, compile_fn, rtol=1e-5, batches=None):
 
 def load_bench_models():
     """``bench/dpsgd_models.py`` (the DP-SGD benchmark's GPT), shared by the DP-SGD tests."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "dpsgd_models.py"
-    spec = importlib.util.spec_from_file_location("_bench_dpsgd_models", path)
+    return load_bench_module("dpsgd_models")
+
+
+def load_bench_module(name: str):
+    """``bench/<name>.py`` as a module."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
     spec.loader.exec_module(mod)

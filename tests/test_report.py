@@ -143,3 +143,13 @@ def test_report_of_a_model_never_includes_graphs_of_freed_models():
         assert len(fxmem.report(c).graphs) == 1
         del m, c
         gc.collect()
+
+
+def test_a_recomputed_view_of_a_weight_saves_nothing(compiled_llama):
+    # `t` of a weight is a view of a parameter: keeping it keeps no storage, so recomputing it
+    # saves no bytes (the row must not claim the transpose's size).
+    _, _, compiled = compiled_llama
+    rows = {r.id: r for r in fxmem.report(compiled).graphs[-1].clusters}
+    assert rows["t+"].frequency > 0 and rows["t+"].recomputed > 0
+    assert rows["t+"].saving_bytes == 0 and rows["t+"].saving_formula == "0"
+    assert any(r.saving_bytes > 0 for r in rows.values())

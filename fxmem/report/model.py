@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import sympy
 
-from ..graph.liveness import Event, evaluate, peak, step_schedules
+from ..graph.liveness import Event, evaluate, peak, step_schedules, storage_roots
 from ..options import parse_bytes
 
 SCHEMA_VERSION = 1
@@ -227,16 +227,21 @@ def report_json_path(path: str, index: int) -> str:
 def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str]) -> GraphReport:
     """A GraphReport from a live plan, its split and its sizes."""
     saved_names = {n.name for n in split.saved}
+    roots = storage_roots(plan.problem.joint.gm) if plan.problem is not None else {}
+
+    def nbytes(n):  # a view of a graph input (a weight's transpose) keeps no storage of its own
+        return sympy.Integer(0) if n in roots and roots[n].op == "placeholder" else sizes.nbytes(n)
+
     by_id: dict[str, list] = {}
     for c in plan.clusters:
         by_id.setdefault(c.id, []).append(c)
     rows = []
     for cid, occ in by_id.items():
         rec = [c for c in occ if c.stash.name not in saved_names]
-        one = sizes.nbytes(occ[0].stash)
+        one = nbytes(occ[0].stash)
         count = -1 if len(rec) in (0, len(occ)) else len(rec)
         rows.append(ClusterRow(cid, f"{cid}:{1 if rec else 0}:{count}", bool(rec), len(occ), len(rec),
-                               sum(sizes.at(sizes.nbytes(c.stash)) for c in rec), sizes.pretty(one)))
+                               sum(sizes.at(nbytes(c.stash)) for c in rec), sizes.pretty(one)))
     rows.sort(key=lambda r: (-r.saving_bytes, r.id))
     cost = plan.problem.cost if plan.problem is not None else {}
     fw, bw = step_schedules(split.fw, split.bw, sizes, primal_names)
