@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -18,11 +19,25 @@ aten = torch.ops.aten
 _SAME_FLOPS = {aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention}
 
 
-def _shape(arg, sizes: SymbolicSizes):
-    if isinstance(arg, fx.Node):
-        val = arg.meta.get("val")
-        return sizes.shape_at(val) if isinstance(val, torch.Tensor) else val
-    return arg
+def flops(node: fx.Node, shape: Callable[[torch.Tensor], tuple] = lambda t: tuple(t.shape)) -> float | None:
+    """FLOPs of a call by torch's flop formulas (matmuls, attention, convolutions), with each
+    tensor's shape given by ``shape`` (of its ``meta["val"]``); None for ops without a formula."""
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(_SAME_FLOPS.get(packet, packet))
+    if node.op != "call_function" or formula is None:
+        return None
+
+    def of(arg):
+        val = arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+        return shape(val) if isinstance(val, torch.Tensor) else val
+
+    try:
+        val = node.meta.get("val")
+        out = shape(val[0] if isinstance(val, (tuple, list)) else val)
+        return float(formula(*[of(a) for a in node.args], out_val=out, **{k: of(v) for k, v in node.kwargs.items()}))
+    except Exception as e:  # a formula that wants arguments we do not shape: no figure, visibly
+        log.debug("flops of %s: flop formula failed (%s: %s)", node.name, type(e).__name__, e)
+        return None
 
 
 def recompute_cost(node: fx.Node, sizes: SymbolicSizes) -> float:
@@ -33,17 +48,9 @@ def recompute_cost(node: fx.Node, sizes: SymbolicSizes) -> float:
     """
     if node.op != "call_function":
         return 0.0
-    packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(_SAME_FLOPS.get(packet, packet))
+    f = flops(node, sizes.shape_at)
+    if f is not None:
+        return f
     val = node.meta.get("val")
-    if formula is not None:
-        try:
-            out = sizes.shape_at(val[0] if isinstance(val, (tuple, list)) else val)
-            args = [_shape(a, sizes) for a in node.args]
-            kwargs = {k: _shape(v, sizes) for k, v in node.kwargs.items()}
-            return float(formula(*args, out_val=out, **kwargs))
-        except Exception as e:  # a formula that wants arguments we do not shape: fall back, visibly
-            log.debug("recompute cost of %s: flop formula failed (%s: %s); counting output elements",
-                      node.name, type(e).__name__, e)
     vals = val if isinstance(val, (tuple, list)) else [val]
     return float(sum(math.prod(sizes.shape_at(v)) for v in vals if isinstance(v, torch.Tensor)))

@@ -60,7 +60,7 @@ def _network(p: CutProblem, lam: float) -> tuple[nx.DiGraph, list[fx.Node]]:
     return g, nodes
 
 
-def _cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
+def cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
     """(saved set in joint-graph order, recompute cost) of the cheapest cut at weight ``lam``."""
     g, nodes = _network(p, lam)
     if SINK not in g:
@@ -88,7 +88,7 @@ def _cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
 
 def solve(p: CutProblem, lam: float) -> list[fx.Node]:
     """The saved set (joint-graph order) of the cheapest cut at recompute weight ``lam``."""
-    return _cut(p, lam)[0]
+    return cut(p, lam)[0]
 
 
 def saved_bytes(p: CutProblem, saved) -> int:
@@ -105,7 +105,7 @@ def frontier(p: CutProblem, lo: float, hi: float, max_solves: int = 64) -> list[
     are neighbours. ``2k - 1`` solves find ``k`` cuts (at most ``max_solves`` are made).
     """
     def at(lam):
-        saved, cost = _cut(p, lam)
+        saved, cost = cut(p, lam)
         return saved, saved_bytes(p, saved), cost, lam
 
     first, last = at(lo), at(hi)

@@ -1,0 +1,209 @@
+"""What a memory budget must recompute: a lower bound for every plan, fxmem's and torch's plans.
+
+    python bench/budget_bound.py --name budget-bound --models hf_gpt2,hf_llama --fractions 0.96,0.9,0.7,0.5
+
+fxmem's ``memory_budget`` fraction is of its level 0 plan's saved bytes, and level 0 already keeps
+the least a plan can keep when only cheap ops (no matmul, no attention) are recomputed: it is a
+minimum cut. A lower cap must recompute matmuls or attention. How much, at least, follows from
+the parametric min-cut: for a recompute weight ``lam`` let ``V(lam)`` be the least
+``bytes + lam * flops`` over all cuts. Any plan with ``bytes <= cap`` then recomputes at least
+``(V(lam) - cap) / lam`` FLOPs, for every ``lam``; the best such bound is the lower convex hull of
+the min-cut frontier at ``cap``. It is computed here with every forward op recomputable (the
+vocabulary projection and layer boundaries included; random ops excepted), FLOPs of matmuls and
+attention only (cheap ops free), and bytes as the planner counts them (a kept view counts its
+storage). So no plan fxmem could make under the cap recomputes less.
+
+For each fraction the table sets that bound against fxmem's plan (Inductor inner compiler, as the
+timed configurations) and torch's ``activation_memory_budget`` plan at the same fraction (Inductor's
+min-cut partition, captured when it runs): the matmul and attention FLOPs each recomputes, as a
+share of the eager step's FLOPs (``torch.utils.flop_counter``). Step times are in
+``bench/interleaved.py``'s results.
+
+Writes ``bench/results/<name>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import configs  # noqa: E402
+from worker import workload  # noqa: E402
+
+LAM_LO, LAM_HI = 1e-12, 1e6
+
+
+def step_flops(model_name: str, quick: bool) -> float:
+    """FLOPs of one eager training step (forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
+    with FlopCounterMode(display=False) as counter:
+        wl.loss(wl.model(**batch)).backward()
+    return float(counter.get_total_flops())
+
+
+def heavy_flops(nodes) -> float:
+    from fxmem.graph.cost import flops
+
+    return sum(f for f in (flops(n) for n in nodes) if f)
+
+
+def lower_bound(problem, caps: list[int]) -> tuple[list[float], list[tuple[int, float]]]:
+    """(least matmul/attention FLOPs of any plan within each cap; the frontier's (bytes, FLOPs))."""
+    from fxmem.graph.cost import flops
+    from fxmem.remat.allowlist import NEVER, kind
+    from fxmem.remat.mincut import CutProblem, cut, frontier, saved_bytes
+
+    joint = problem.joint
+    fwd = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
+    broad = CutProblem(joint, problem.nbytes, {n: flops(n) or 0.0 for n in fwd},
+                       frozenset(n for n in fwd if kind(n) != NEVER))
+    points = sorted({(saved_bytes(broad, s), cut(broad, lam)[1]) for s, lam in frontier(broad, LAM_LO, LAM_HI)},
+                    key=lambda p: (-p[0], p[1]))
+
+    def at(cap: int) -> float:
+        if cap >= points[0][0]:
+            return points[0][1]
+        for (b0, c0), (b1, c1) in zip(points, points[1:]):
+            if b1 <= cap <= b0:  # the hull's segment between two neighbouring cuts
+                return c0 + (c1 - c0) * (b0 - cap) / (b0 - b1)
+        return float("inf")  # below every cut: no plan keeps this little
+
+    return [at(c) for c in caps], points
+
+
+def fxmem_plan(model_name: str, quick: bool, fraction: float | None):
+    """(plan, FLOPs of the matmuls and attention its backward recomputes)."""
+    import torch
+
+    import fxmem
+    from fxmem.remat.split import split
+
+    torch._dynamo.reset()
+    wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
+    opts = {"inner": "inductor", **({"memory_budget": fraction} if fraction else {})}
+    fn = torch.compile(wl.model, backend="fxmem", options=opts)
+    wl.loss(fn(**batch)).backward()
+    plan = fxmem.report(fn).plans[-1]
+    return plan, heavy_flops(split(plan.problem.joint, list(plan.saved)).recomputed)
+
+
+def torch_plan(model_name: str, quick: bool, fraction: float) -> dict:
+    """Matmul/attention FLOPs that Inductor's backward recomputes under ``activation_memory_budget``."""
+    import torch
+    import torch._inductor.compile_fx as cfx
+
+    from fxmem.graph.joint import JointGraph
+
+    seen = []
+    original = cfx.min_cut_rematerialization_partition
+
+    def capture(joint_module, joint_inputs, *, num_fwd_outputs, **kw):
+        joint = JointGraph.of(joint_module, num_fwd_outputs)
+        fwd_names = {n.name for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"}
+        fw, bw = original(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        rec = [n for n in bw.graph.nodes if n.name in fwd_names]
+        seen.append({"recomputed_nodes": len(rec), "recomputed_heavy": sorted(n.name for n in rec if heavy_flops([n])),
+                     "recompute_flops": heavy_flops(rec)})
+        return fw, bw
+
+    torch._dynamo.reset()
+    before = torch._functorch.config.activation_memory_budget
+    cfx.min_cut_rematerialization_partition = capture
+    try:
+        torch._functorch.config.activation_memory_budget = fraction
+        wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
+        fn = torch.compile(wl.model, backend="inductor")
+        wl.loss(fn(**batch)).backward()
+    finally:
+        cfx.min_cut_rematerialization_partition = original
+        torch._functorch.config.activation_memory_budget = before
+    if len(seen) != 1:
+        raise RuntimeError(f"expected one partitioned graph for {model_name}, got {len(seen)}")
+    return seen[0]
+
+
+def run(model_name: str, fractions: list[float], quick: bool) -> dict:
+    total = step_flops(model_name, quick)
+    level0, _ = fxmem_plan(model_name, quick, None)
+    from fxmem.remat.mincut import saved_bytes
+
+    level0_bytes = saved_bytes(level0.problem, level0.saved)
+    caps = [int(f * level0_bytes) for f in fractions]
+    bounds, points = lower_bound(level0.problem, caps)
+    rows = []
+    for f, cap, bound in zip(fractions, caps, bounds):
+        print(f"{model_name} {f}: bound {bound / 1e9:.2f} GFLOP", flush=True)
+        row = {"fraction": f, "cap_bytes": cap, "bound_flops": bound}
+        try:
+            plan, rec = fxmem_plan(model_name, quick, f)
+            row.update(fxmem_bytes=saved_bytes(plan.problem, plan.saved), fxmem_flops=rec)
+        except Exception as e:  # an infeasible budget: BudgetError, wrapped by Dynamo
+            row.update(fxmem_error=str(e).splitlines()[0][:200])
+        row["torch"] = torch_plan(model_name, quick, f)
+        rows.append(row)
+    return {"model": model_name, "model_kwargs": configs.model_kwargs(model_name, quick), "step_flops": total,
+            "level0_bytes": level0_bytes, "frontier": points, "rows": rows}
+
+
+def markdown(name: str, cmd: str, results: list[dict]) -> str:
+    import torch
+
+    def g(x, total):  # GFLOP and share of the step
+        if x is None:
+            return "-"
+        return "no plan" if x == float("inf") else f"{x / 1e9:.3g} ({100 * x / total:.1f}%)"
+
+    out = [f"# Recompute a budget needs: `{name}`", "", f"`{cmd}`", "",
+           f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}. "
+           "GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); "
+           "% = of one eager step's FLOPs. *Bound*: the least any plan keeping at most the cap "
+           "recomputes (min-cut frontier hull, every forward op recomputable); fxmem: its plan at that "
+           "`memory_budget`; torch: Inductor with `activation_memory_budget` at the same fraction.", ""]
+    for r in results:
+        out += [f"**{r['model']}** ({', '.join(f'{k}={v}' for k, v in r['model_kwargs'].items())}): "
+                f"step {r['step_flops'] / 1e9:.1f} GFLOP; fxmem level 0 keeps {r['level0_bytes']:,} bytes.", "",
+                "| fraction | cap bytes | bound GFLOP (% step) | fxmem bytes | fxmem GFLOP | fxmem / bound | torch GFLOP | torch recomputes |",
+                "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for row in r["rows"]:
+            t, b, fx_ = row["torch"], row["bound_flops"], row.get("fxmem_flops")
+            fxb = f"{row['fxmem_bytes']:,}" if "fxmem_bytes" in row else "infeasible"
+            ratio = f"{fx_ / b:.2f}" if fx_ is not None and b not in (0, float("inf")) else ""
+            total = r["step_flops"]
+            out.append(f"| {row['fraction']} | {row['cap_bytes']:,} | {g(b, total)} | {fxb} | {g(fx_, total)} | {ratio} | "
+                       f"{g(t['recompute_flops'], total)} | {', '.join(t['recomputed_heavy']) or 'none'} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", default="budget-bound")
+    p.add_argument("--models", default="hf_gpt2,hf_llama")
+    p.add_argument("--fractions", default="0.96,0.9,0.7,0.5")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    fractions = [float(f) for f in a.fractions.split(",")]
+    results = [run(m, fractions, a.quick) for m in a.models.split(",")]
+    cmd = "python bench/budget_bound.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
+    (out / f"{a.name}.md").write_text(markdown(a.name, cmd, results))
+    print((out / f"{a.name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
