@@ -9,9 +9,9 @@ a name, a *kind* (how it is built) and an options dict that the kind interprets:
     aot_eager_plain torch.compile(backend="aot_eager_default_partitioner")
     mincut_eager    aot_autograd(nop compilers, partition_fn=min_cut_rematerialization_partition);
                     option ``activation_memory_budget`` as for inductor
-    inductor        torch.compile(); option ``activation_memory_budget`` sets
-                    torch._functorch.config.activation_memory_budget, every other option goes to
-                    torch.compile(options=...) (Inductor's config)
+    inductor        torch.compile(); option ``activation_memory_budget``: torch's min-cut
+                    partitioner runs with torch._functorch.config.activation_memory_budget set to
+                    it (for this compile only), every other option goes to Inductor's config
     fxmem           torch.compile(backend="fxmem", options=<options>)
 
 Adding a configuration is one line in CONFIGS (or ``register(...)``), e.g.
@@ -124,16 +124,29 @@ def _compile(backend: str):
     return build
 
 
-def _set_activation_memory_budget(cfg: Config) -> dict:
-    """The config's options without ``activation_memory_budget``, which goes into
-    torch._functorch.config (read by the min-cut partitioner when the graph is compiled, at the
-    first call; the worker is a fresh process, so setting the global is enough)."""
+def _budget(cfg: Config) -> tuple[float | None, dict]:
+    """(``activation_memory_budget`` or None, the other options)."""
+    opts = dict(cfg.options)
+    budget = opts.pop("activation_memory_budget", None)
+    return (None if budget is None else float(budget)), opts
+
+
+def _with_budget(fn, budget: float | None):
+    """``fn`` run with torch._functorch.config.activation_memory_budget = ``budget``: the min-cut
+    partitioner reads it when it partitions, inside the compile."""
+    import functools
+
     import torch
 
-    opts = dict(cfg.options)
-    if "activation_memory_budget" in opts:
-        torch._functorch.config.activation_memory_budget = float(opts.pop("activation_memory_budget"))
-    return opts
+    if budget is None:
+        return fn
+
+    @functools.wraps(fn)
+    def patched(*args, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return fn(*args, **kwargs)
+
+    return patched
 
 
 def _mincut_eager(model, cfg: Config):
@@ -142,19 +155,28 @@ def _mincut_eager(model, cfg: Config):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    if _set_activation_memory_budget(cfg):
+    budget, rest = _budget(cfg)
+    if rest:
         raise ValueError(f"config {cfg.name!r} (kind mincut_eager) takes only activation_memory_budget, "
                          f"got {dict(cfg.options)}")
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                           partition_fn=min_cut_rematerialization_partition)
+                           partition_fn=_with_budget(min_cut_rematerialization_partition, budget))
     return torch.compile(model, backend=backend)
 
 
 def _inductor(model, cfg: Config):
+    """With a budget, a backend function of its own: ``torch.compile(backend="inductor")`` with
+    equal options reuses an earlier compile of the same model class (Dynamo's cache is per code
+    object, and Inductor's backend wrappers compare equal), so a budget set globally for a second
+    compile in the same process would be ignored."""
     import torch
+    from torch._inductor.compile_fx import compile_fx
 
-    opts = _set_activation_memory_budget(cfg)
-    return torch.compile(model, backend="inductor", options=opts or None)
+    budget, opts = _budget(cfg)
+    if budget is None:
+        return torch.compile(model, backend="inductor", options=opts or None)
+    return torch.compile(model, backend=_with_budget(
+        lambda gm, example_inputs: compile_fx(gm, example_inputs, config_patches=opts or None), budget))
 
 
 class _LossOutput:

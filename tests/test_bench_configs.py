@@ -19,3 +19,34 @@ def test_a_budget_at_any_fraction_derives_from_its_base():
 def test_unknown_configs_are_refused_with_the_known_ones(spec):
     with pytest.raises(ValueError, match=r"unknown config .*; known: eager"):
         configs.parse(spec)
+
+
+@pytest.mark.parametrize("kind, where", [("mincut_eager", "torch._functorch.partitioners"),
+                                         ("inductor", "torch._inductor.compile_fx")])
+def test_each_budget_config_partitions_with_its_own_budget_in_one_process(kind, where, monkeypatch):
+    # torch.compile(backend="inductor") twice on the same model class reuses the first compile,
+    # whatever activation_memory_budget says: each budget config must compile its own graphs.
+    import copy
+    import importlib
+
+    import torch
+
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    module = importlib.import_module(where)
+    original, budgets = module.min_cut_rematerialization_partition, []
+
+    def spy(*args, **kwargs):
+        budgets.append(torch._functorch.config.activation_memory_budget)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "min_cut_rematerialization_partition", spy)
+    if kind == "mincut_eager":  # the builder imports it from functorch.compile
+        monkeypatch.setattr("functorch.compile.min_cut_rematerialization_partition", spy)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    for spec in [kind, f"{kind}+budget0.5", f"{kind}+budget0.1"]:
+        configs.build(copy.deepcopy(model), configs.parse(spec))(x).sum().backward()
+    assert budgets == [1.0, 0.5, 0.1]
+    assert torch._functorch.config.activation_memory_budget == 1.0

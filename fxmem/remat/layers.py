@@ -14,6 +14,7 @@ import re
 import torch.fx as fx
 
 from ..graph.joint import JointGraph
+from .allowlist import CHEAP, kind
 
 _ITEM = re.compile(r"(?:\._modules)?\['?([^'\]]+)'?\]")
 
@@ -54,10 +55,17 @@ def layers(joint: JointGraph) -> dict[fx.Node, str]:
 
 
 def boundaries(joint: JointGraph, key: dict[fx.Node, str]) -> set[fx.Node]:
-    """Tensors a layer reads from outside itself (not graph inputs: those are kept anyway)."""
+    """Tensors a layer reads from outside itself (not graph inputs: those are kept anyway), except
+    those cheap ops compute from graph inputs alone (the token embedding): recomputing them reruns
+    no earlier layer."""
+    from_inputs: set[fx.Node] = set()
+    for n in joint.gm.graph.nodes:  # topological order
+        if n.op == "placeholder" or (n.op == "call_function" and n in joint.forward and kind(n) == CHEAP
+                                     and all(a in from_inputs for a in n.all_input_nodes)):
+            from_inputs.add(n)
     out = set()
     for n, k in key.items():
         for a in n.all_input_nodes:
-            if a.op != "placeholder" and key.get(a) != k and a in joint.forward:
+            if a not in from_inputs and key.get(a) != k and a in joint.forward:
                 out.add(a)
     return out
