@@ -314,3 +314,15 @@ def test_recompute_cost_counts_matmul_and_attention_flops():
     cost = {n.target: recompute_cost(n, SymbolicSizes()) for n in gm.graph.nodes if n.op == "call_function"}
     assert cost[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] == 4 * b * h * s * s * d
     assert cost[torch.ops.aten.addmm.default] == 2 * (b * h * s) * d * 5
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_level1_recomputes_the_token_embedding_and_keeps_the_other_boundaries(name):
+    """The first layer's input is a gather from the embedding table: recomputing it reruns no
+    layer, so it is no fence; the inputs of the other layers are kept."""
+    w = build(name, batch=4, seq=64, layers=3, vocab=256, d=32, heads=2)
+    plan, split, _ = _run(w, level=1)
+    assert any(n.target is torch.ops.aten.embedding.default for n in split.recomputed)
+    assert not any(n.target is torch.ops.aten.embedding.default for n in split.saved)
+    residual = 4 * 64 * 32 * 4  # batch * seq * d fp32: one boundary
+    assert sum(1 for n in split.saved if n.op != "placeholder" and plan.problem.nbytes.get(n) == residual) >= 2
