@@ -1,0 +1,141 @@
+"""Why fxmem refuses memory budgets below its floor: the peak of the plans that would meet them.
+
+    python bench/budget_floor.py --name budget-floor --models hf_gpt2,hf_llama --fractions 0.3,0.1
+
+A budget is the cap on saved bytes, and a lower budget must not raise the step's peak. On a
+language model the cross-entropy's log-softmax (batch x seq x vocab) is kept by every plan fxmem
+accepts: the backward reads it first, at its peak, so recomputing it saves nothing there. A cap
+below it (the floor) can only be met by rerunning the vocabulary projection in the backward.
+
+This script measures that claim (eager inner compiler, whose simulated peak is exact): the floor
+plan (the smallest budget fxmem accepts), and, for each fraction below the floor, the plan fxmem
+would make if it were allowed to recompute the head (``read_before_backward_peak`` emptied and
+every matmul recomputable: an experiment, not an fxmem option), each with its measured peak and
+the largest tensors alive at it. Writes ``bench/results/<name>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import configs  # noqa: E402
+from worker import workload  # noqa: E402
+
+MiB = 2**20
+
+
+@contextlib.contextmanager
+def head_recomputable():
+    """Let a budget recompute every matmul, the vocabulary projection included."""
+    import fxmem.remat.budget as budget
+    import fxmem.remat.plan as plan
+    from fxmem.remat.allowlist import HEAVY, kind
+
+    before, within = budget.read_before_backward_peak, plan.within_budget
+
+    def everything(joint, options, sizes, saved, recomp, keep, problem, notes):
+        heavy = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) == HEAVY}
+        return within(joint, options, sizes, saved, recomp | heavy, keep, problem, notes)
+
+    budget.read_before_backward_peak = lambda *a: set()
+    plan.within_budget = everything
+    try:
+        yield
+    finally:
+        budget.read_before_backward_peak, plan.within_budget = before, within
+
+
+def measure(model_name: str, quick: bool, budget) -> dict:
+    """Compile with fxmem (eager inner) at ``budget``; its plan, measured peak and breakdown."""
+    import torch
+
+    import fxmem
+    from fxmem.profiling import step_perf
+
+    torch._dynamo.reset()
+    wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
+    fn = torch.compile(wl.model, backend="fxmem", options={"inner": "eager", "memory_budget": budget})
+    try:
+        for _ in range(2):  # the second step is measured
+            wl.model.zero_grad(set_to_none=True)
+            with step_perf("cpu") as perf:
+                wl.loss(fn(**batch)).backward()
+    except Exception as e:  # BudgetError, wrapped by Dynamo
+        return {"budget": budget, "error": str(e).splitlines()[0]}
+    rep = fxmem.report(fn)
+    g, b = rep.graphs[-1], rep.peak_breakdown()
+    return {"budget": budget, "saved_bytes": g.saved_bytes, "measured_peak": perf.result.peak_bytes,
+            "predicted_peak": b["peak"], "phase": b["phase"], "at": b["at"], "live": b["live"][:6],
+            "live_count": len(b["live"])}
+
+
+def run(model_name: str, fractions: list[float], quick: bool) -> dict:
+    refused = measure(model_name, quick, 0.01)
+    found = re.search(r"smallest feasible budget is (\d+) bytes \(([0-9.]+) of level 0's (\d+)\)", refused.get("error", ""))
+    if not found:
+        raise RuntimeError(f"{model_name}: expected a BudgetError naming the floor, got {refused}")
+    floor_bytes, level0 = int(found.group(1)), int(found.group(3))
+    rows = [dict(measure(model_name, quick, floor_bytes), label=f"floor ({found.group(2)})", head="kept")]
+    for f in fractions:
+        rows.append(dict(measure(model_name, quick, f), label=f"{f} (fxmem)", head="kept"))
+        with head_recomputable():
+            rows.append(dict(measure(model_name, quick, f), label=f"{f}, head recomputable", head="recomputable"))
+    return {"model": model_name, "model_kwargs": configs.model_kwargs(model_name, quick), "level0_bytes": level0,
+            "floor_bytes": floor_bytes, "rows": rows}
+
+
+def markdown(name: str, cmd: str, results: list[dict]) -> str:
+    import torch
+
+    out = [f"# Below the budget floor: `{name}`", "", f"`{cmd}`", "",
+           f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; eager inner "
+           "compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make if a budget "
+           "could rerun the vocabulary projection in the backward (it cannot).", ""]
+    for r in results:
+        out += [f"**{r['model']}**: level 0 keeps {r['level0_bytes']:,} bytes; floor {r['floor_bytes']:,}.", "",
+                "| budget | saved bytes | measured peak MiB | predicted MiB | peak at | largest alive (MiB) |",
+                "|---|---:|---:|---:|---|---|"]
+        for row in r["rows"]:
+            if "error" in row:
+                out.append(f"| {row['label']} | refused: {row['error'][:120]} | | | | |")
+                continue
+            live = ", ".join(f"{n} {b / MiB:.1f}" for n, b in row["live"])
+            out.append(f"| {row['label']} | {row['saved_bytes']:,} | {row['measured_peak'] / MiB:.1f} | "
+                       f"{row['predicted_peak'] / MiB:.1f} | {row['phase']} `{row['at']}` | {live}, "
+                       f"and {row['live_count'] - len(row['live'])} more |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", default="budget-floor")
+    p.add_argument("--models", default="hf_gpt2,hf_llama")
+    p.add_argument("--fractions", default="0.3,0.1")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    results = [run(m, [float(f) for f in a.fractions.split(",")], a.quick) for m in a.models.split(",")]
+    cmd = "python bench/budget_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
+    (out / f"{a.name}.md").write_text(markdown(a.name, cmd, results))
+    print((out / f"{a.name}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
