@@ -18,6 +18,10 @@ Targets, per target model (hf_gpt2, hf_llama) and inner compiler (eager, Inducto
   plain ``inductor``). A budget below fxmem's feasible floor is rejected at compile time: shown as
   "infeasible (floor F)", neither pass nor fail, and left out of the monotonicity check.
 
+Times come from the run's own steps, one process per configuration, unless ``--times NAME`` names
+an ``interleaved.py`` run that timed both configurations of a comparison side by side: its
+medians are then used, and the row says so.
+
 Other models in the run (mlp_chain) get the same tables, marked informational, outside the tally.
 """
 
@@ -54,10 +58,22 @@ def _pf(ok: bool | None) -> str:
 class Results:
     def __init__(self, doc: dict):
         self.by = {(r["model"], r["config"]): r for r in doc["results"]}
+        # (model, config) -> (interleaved run, its row): step times taken side by side
+        self.side = {(run["model"], row["config"]): (run["name"], row)
+                     for run in doc.get("interleaved", []) for row in run["rows"]}
 
     def get(self, model: str, config: str) -> dict | None:
         r = self.by.get((model, config))
         return r if r is not None and r["status"] == "ok" else None
+
+    def pair(self, model: str, x: str, y: str) -> tuple[dict | None, dict | None]:
+        """The records of ``x`` and ``y``; when one interleaved run timed both, with its times."""
+        a, b = self.get(model, x), self.get(model, y)
+        sa, sb = self.side.get((model, x)), self.side.get((model, y))
+        if a is None or b is None or not sa or not sb or sa[0] != sb[0]:
+            return a, b
+        return tuple(dict(r, step_time_median_s=row["median_s"], step_times_s=row["step_times_s"], timed_in=run)
+                     for r, (run, row) in ((a, sa), (b, sb)))
 
     def has(self, model: str, config: str) -> bool:
         return (model, config) in self.by
@@ -83,7 +99,8 @@ def _time_ratio(a: dict, b: dict) -> tuple[float, str]:
     """Median over median, and (for judging noise) fastest over fastest step."""
     med = a["step_time_median_s"] / b["step_time_median_s"]
     mins = min(a["step_times_s"]) / min(b["step_times_s"])
-    return med, f"{med:.2f} (min {mins:.2f})"
+    where = f"; side by side in `{a['timed_in']}`" if "timed_in" in a else ""
+    return med, f"{med:.2f} (min {mins:.2f}{where})"
 
 
 def level0(res: Results, models: list[str], tally: dict) -> list[str]:
@@ -102,7 +119,7 @@ def level0(res: Results, models: list[str], tally: dict) -> list[str]:
 def _pair_row(res: Results, tally: dict, m: str, head: str, cfg: str, base: str, peak_max: float,
               time_max: float) -> str:
     """One scored row: ``cfg`` against ``base`` on peak ratio and median time ratio."""
-    a, b = res.get(m, cfg), res.get(m, base)
+    a, b = res.pair(m, cfg, base)
     if a is None or b is None:
         _count(tally, m, False, False)
         why = f"{cfg}: {res.status(m, cfg)}; {base}: {res.status(m, base)}"
@@ -154,7 +171,7 @@ def sweep(res: Results, models: list[str], tally: dict) -> list[str]:
                 (f, f"fxmem-{inner}+budget{_fmt_frac(f)}", f"{base}+budget{_fmt_frac(f)}") for f in FRACTIONS]
             mono_all = True
             for f, cfg, icfg in rows:
-                a, b = res.get(m, cfg), res.get(m, icfg)
+                a, b = res.pair(m, cfg, icfg)
                 ref = f == 1.0
                 frac = "1.0 (level 0 / `inductor`)" if ref else _fmt_frac(f)
                 fxcell = _mib(a) or res.status(m, cfg)
@@ -226,9 +243,13 @@ def main(argv: list[str] | None = None, name: str = "planner", heading: str = HE
     p.add_argument("--dir", default=str(HERE / "results"))
     p.add_argument("--note", action="append", default=[],
                    help="a line to print under the heading (e.g. how the run was invoked); repeatable")
+    p.add_argument("--times", action="append", default=[], metavar="NAME",
+                   help="an interleaved.py run (<dir>/NAME.json): a comparison whose two configurations it "
+                        "timed side by side uses its step times; repeatable")
     a = p.parse_args(argv)
     d = Path(a.dir)
     doc = json.loads((d / f"{a.name}.json").read_text())
+    doc["interleaved"] = [dict(json.loads((d / f"{t}.json").read_text()), name=t) for t in a.times]
     md_path = d / f"{a.name}.md"
     md = md_path.read_text()
     cut = md.find("\n" + heading + "\n")
