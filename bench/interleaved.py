@@ -52,10 +52,17 @@ def measure(model_name: str, specs: list[str], rounds: int, quick: bool, threads
         return time.perf_counter() - t0
 
     models = {s: copy.deepcopy(wl.model) for s in specs}
-    fns = {}
+    fns, failed = {}, []
     for s in specs:
         print(f"compiling {s} ...", flush=True)
-        fns[s] = _compiled(models[s], s, step)
+        try:
+            fns[s] = _compiled(models[s], s, step)
+        except Exception as e:  # e.g. an fxmem budget below its floor: left out, with the reason
+            if s == specs[0]:
+                raise
+            failed.append({"config": s, "error": str(e).strip().splitlines()[0][:300]})
+            print(f"  left out: {failed[-1]['error']}", flush=True)
+    specs = [s for s in specs if s in fns]
     times: dict[str, list[float]] = {s: [] for s in specs}
     for r in range(rounds):
         k = r % len(specs)
@@ -65,7 +72,7 @@ def measure(model_name: str, specs: list[str], rounds: int, quick: bool, threads
     base = statistics.median(times[specs[0]]), min(times[specs[0]])
     return [{"config": s, "median_s": statistics.median(t), "min_s": min(t), "step_times_s": t,
              "median_ratio": statistics.median(t) / base[0], "min_ratio": min(t) / base[1]}
-            for s, t in times.items()]
+            for s, t in times.items()], failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,19 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     specs = configs.split_specs(a.configs)
     if len(specs) < 2 or a.rounds < 1:
         p.error("give at least two configurations and one round")
-    rows = measure(a.model, specs, a.rounds, a.quick, a.threads)
+    rows, failed = measure(a.model, specs, a.rounds, a.quick, a.threads)
     import torch
 
     stamp = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {a.threads} thread(s)"
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.json").write_text(json.dumps({"model": a.model, "rounds": a.rounds, "when": stamp,
-                                                    "argv": sys.argv, "rows": rows}, indent=1))
+                                                    "argv": sys.argv, "rows": rows, "left_out": failed}, indent=1))
     lines = [f"# Interleaved step time: `{a.name}`", "", f"`python bench/interleaved.py {' '.join(sys.argv[1:])}`", "",
              f"{stamp}; model `{a.model}`; {a.rounds} rounds of one step per configuration, order rotating.", "",
              "| config | median ms | fastest ms | median / first | fastest / first |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['config']} | {r['median_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | {r['median_ratio']:.3f} | "
               f"{r['min_ratio']:.3f} |" for r in rows]
+    lines += [f"| {f['config']} | left out: {f['error']} | | | |" for f in failed]
     (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(rows) - 2:]))
     return 0

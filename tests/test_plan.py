@@ -326,3 +326,20 @@ def test_level1_recomputes_the_token_embedding_and_keeps_the_other_boundaries(na
     assert not any(n.target is torch.ops.aten.embedding.default for n in split.saved)
     residual = 4 * 64 * 32 * 4  # batch * seq * d fp32: one boundary
     assert sum(1 for n in split.saved if n.op != "placeholder" and plan.problem.nbytes.get(n) == residual) >= 2
+
+
+def test_positions_under_inductors_decompositions_are_cheap_to_recompute():
+    """Inductor decomposes arange into prims.iota: position ids stay recomputable (else the
+    GPT-2 token + position embedding would be a fence under budgets with Inductor)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxmem.remat.allowlist import CHEAP, kind
+
+    def positions(x):
+        return torch.arange(x.shape[1], device=x.device).unsqueeze(0) + x
+
+    gm = make_fx(positions, decomposition_table=select_decomp_table())(torch.zeros(2, 5, dtype=torch.long))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert any(n.target is torch.ops.prims.iota.default for n in calls)
+    assert {n.name: kind(n) for n in calls} == {n.name: CHEAP for n in calls}

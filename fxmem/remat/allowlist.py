@@ -30,7 +30,7 @@ _VIEWS = {
 _COPIES = {
     aten.clone, aten._to_copy, prims.convert_element_type, aten.contiguous, aten.cat, aten.stack,
     aten.lift_fresh_copy, aten.full, aten.zeros, aten.ones, aten.scalar_tensor, aten.arange,
-    aten.full_like, aten.zeros_like, aten.ones_like, aten.empty, aten.where, aten.index,
+    aten.full_like, aten.zeros_like, aten.ones_like, aten.empty, aten.where, aten.index, prims.iota,
     aten.gather, aten.embedding, aten.constant_pad_nd, aten.repeat, aten.index_select,
     aten.slice_scatter, aten.select_scatter, aten.tril, aten.triu, aten.masked_fill,
 }
