@@ -24,9 +24,7 @@ Writes ``bench/results/<name>.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
-import json
 import sys
 from pathlib import Path
 
@@ -34,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import configs  # noqa: E402
+import study  # noqa: E402
 from worker import workload  # noqa: E402
 
 LAM_LO, LAM_HI = 1e-12, 1e6
@@ -184,25 +183,7 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--name", default="budget-bound")
-    p.add_argument("--models", default="hf_gpt2,hf_llama")
-    p.add_argument("--fractions", default="0.96,0.9,0.7,0.5")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out-dir", default=str(HERE / "results"))
-    a = p.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(a.threads)
-    fractions = [float(f) for f in a.fractions.split(",")]
-    results = [run(m, fractions, a.quick) for m in a.models.split(",")]
-    cmd = "python bench/budget_bound.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
-    (out / f"{a.name}.md").write_text(markdown(a.name, cmd, results))
-    print((out / f"{a.name}.md").read_text())
+    study.main(__doc__, "budget_bound.py", "budget-bound", "0.96,0.9,0.7,0.5", run, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,8 @@ the largest tensors alive at it. Writes ``bench/results/<name>.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as _dt
-import json
 import re
 import sys
 from pathlib import Path
@@ -28,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import configs  # noqa: E402
+import study  # noqa: E402
 from worker import workload  # noqa: E402
 
 MiB = 2**20
@@ -117,24 +116,7 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--name", default="budget-floor")
-    p.add_argument("--models", default="hf_gpt2,hf_llama")
-    p.add_argument("--fractions", default="0.3,0.1")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out-dir", default=str(HERE / "results"))
-    a = p.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(a.threads)
-    results = [run(m, [float(f) for f in a.fractions.split(",")], a.quick) for m in a.models.split(",")]
-    cmd = "python bench/budget_floor.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
-    (out / f"{a.name}.md").write_text(markdown(a.name, cmd, results))
-    print((out / f"{a.name}.md").read_text())
+    study.main(__doc__, "budget_floor.py", "budget-floor", "0.3,0.1", run, markdown, argv)
 
 
 if __name__ == "__main__":
