@@ -5,17 +5,18 @@ Candidates are the level's own plan and every cut on the min-cut frontier (each 
 for some recompute weight) with fewer saved bytes. Fewer saved bytes can still mean a higher
 step peak: a recomputed value is alive again in the backward, perhaps at its peak. So each
 candidate's peak is simulated, and only candidates at or below the peak of every candidate with
-more saved bytes are admissible. A cap then picks the admissible candidate with the most saved
-bytes (the least recompute) within it. The candidate list and the rule do not depend on the cap,
-so a lower cap always picks an admissible plan at or after a higher cap's one: its simulated
-peak is never higher.
+more saved bytes are admissible. A cap then picks the admissible candidate of least recompute
+cost within it. The candidate list and the rule do not depend on the cap, so a lower cap picks
+either the same plan or one with fewer saved bytes, which admissibility puts at or below the
+higher cap's peak.
 
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
 than it needs. Between two neighbouring cuts the candidates therefore also include the one with
-fewer bytes plus a growing part of the other's extra kept values, the last layer's first (the
-backward frees them first); a superset of a valid saved set is valid: it only recomputes less.
-At most ``STEPS`` such plans per pair keep the simulations few on deep models.
+fewer bytes plus a growing part of the other's extra kept values, in two orders: the last layer's
+first (the backward frees them first), and the smallest first (so the largest stay recomputed);
+a superset of a valid saved set is valid: it only recomputes less. At most ``STEPS`` such plans
+per pair and order keep the simulations few on deep models.
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ class BudgetError(OptionError):
     pass
 
 
-def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
-    """The simulated step peak of a saved set, as the inner compiler will run its split."""
+def simulated(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options,
+              cost: dict[fx.Node, float] | None = None) -> tuple[int, float]:
+    """(simulated step peak, recompute cost) of a saved set, as the inner compiler will run its split."""
     s = split(joint, saved)
     if options.inner == "eager":
         reuse_dead_buffers(s.fw)
         reuse_dead_buffers(s.bw)
-    return step_peak(s.fw, s.bw, sizes, joint.input_names())
+    return step_peak(s.fw, s.bw, sizes, joint.input_names()), sum((cost or {}).get(n, 0.0) for n in s.recomputed)
+
+
+def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
+    """The simulated step peak of a saved set, as the inner compiler will run its split."""
+    return simulated(joint, saved, sizes, options)[0]
 
 
 def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
@@ -65,13 +72,22 @@ def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: Sy
             if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
 
 
-def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """``fewer`` plus the first j of ``more``'s extra kept values (last in the graph first; graph
-    inputs cost nothing and are left out), for at most ``STEPS`` evenly spaced j; neither end."""
+def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
+             nbytes: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """``fewer`` plus the first j of ``more``'s extra kept values (graph inputs cost nothing and
+    are left out), for at most ``STEPS`` evenly spaced j, neither end, in two orders: last in the
+    graph first (the backward frees them first), and smallest first (what stays recomputed is the
+    largest values: the fewest recomputed for the bytes, e.g. two MLP projections rather than a
+    projection and two attention inputs)."""
     kept = set(fewer)
-    extra = sorted((n for n in more if n not in kept and n.op != "placeholder"), key=pos.__getitem__, reverse=True)
+    extra = [n for n in more if n not in kept and n.op != "placeholder"]
     ends = sorted({len(extra) * i // (STEPS + 1) for i in range(1, STEPS + 1)} - {0, len(extra)})
-    return [sorted(fewer + extra[:j], key=pos.__getitem__) for j in ends]
+    plans: dict[tuple[fx.Node, ...], list[fx.Node]] = {}
+    for order in (sorted(extra, key=lambda n: -pos[n]), sorted(extra, key=lambda n: (nbytes.get(n, 0), -pos[n]))):
+        for j in ends:
+            plan = sorted(fewer + order[:j], key=pos.__getitem__)
+            plans.setdefault(tuple(plan), plan)
+    return list(plans.values())
 
 
 def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
@@ -93,13 +109,13 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
     candidates = [cuts[0]]
     for (more, _), (fewer, lam) in zip(cuts, cuts[1:]):
-        candidates += [(c, lam) for c in _between(more, fewer, pos)] + [(fewer, lam)]
+        candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
     candidates.sort(key=lambda c: -saved_bytes(p, c[0]))  # stable: the cuts' own order on ties
     admissible, lowest = [], None
     for saved, lam in candidates:
-        peak = predicted_peak(joint, saved, sizes, options)
+        peak, cost = simulated(joint, saved, sizes, options, p.cost)
         if lowest is None or peak <= lowest:
-            admissible.append((saved, lam, peak))
+            admissible.append((saved, lam, peak, cost))
             lowest = peak
     fits = [c for c in admissible if saved_bytes(p, c[0]) <= cap]
     if not fits:
@@ -110,8 +126,10 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
                           f"the smallest feasible budget is {smallest} bytes "
                           f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
-    saved, lam, peak = fits[0]
+    # The least recompute within the cap (ties: the most saved bytes, then the first). A lower cap
+    # picks among a subset: the same plan, or one with fewer bytes, whose peak is no higher.
+    saved, lam, peak, cost = min(fits, key=lambda c: (c[3], -saved_bytes(p, c[0])))
     notes.append(f"memory budget {cap} bytes: saved {saved_bytes(p, saved)} bytes (level {options.level} alone: "
-                 f"{level_bytes}), simulated peak {peak} bytes, recompute weight {lam:.3g}; "
+                 f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
                  f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and steps between them) do not raise the peak")
     return saved, lam, recomp
