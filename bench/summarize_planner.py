@@ -19,8 +19,9 @@ Targets, per target model (hf_gpt2, hf_llama) and inner compiler (eager, Inducto
   "infeasible (floor F)", neither pass nor fail, and left out of the monotonicity check.
 
 Times come from the run's own steps, one process per configuration, unless ``--times NAME`` names
-an ``interleaved.py`` run that timed both configurations of a comparison side by side: its
-medians are then used, and the row says so.
+an ``interleaved.py`` run that timed both configurations of a comparison side by side: the time
+ratio is then the median over its rounds of the two steps' ratio in that round (each round runs
+every configuration once, back to back), and the row says so.
 
 Other models in the run (mlp_chain) get the same tables, marked informational, outside the tally.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -97,10 +99,12 @@ def _ms(r: dict | None) -> str:
 
 def _time_ratio(a: dict, b: dict) -> tuple[float, str]:
     """Median over median, and (for judging noise) fastest over fastest step."""
-    med = a["step_time_median_s"] / b["step_time_median_s"]
     mins = min(a["step_times_s"]) / min(b["step_times_s"])
-    where = f"; side by side in `{a['timed_in']}`" if "timed_in" in a else ""
-    return med, f"{med:.2f} (min {mins:.2f}{where})"
+    if "timed_in" in a:  # paired: the two steps of each round ran side by side
+        med = statistics.median(x / y for x, y in zip(a["step_times_s"], b["step_times_s"]))
+        return med, f"{med:.2f} (min {mins:.2f}; per-round pairs in `{a['timed_in']}`)"
+    med = a["step_time_median_s"] / b["step_time_median_s"]
+    return med, f"{med:.2f} (min {mins:.2f})"
 
 
 def level0(res: Results, models: list[str], tally: dict) -> list[str]:
