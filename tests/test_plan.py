@@ -16,6 +16,8 @@ from fxmem.remat.budget import BudgetError
 from helpers import compare_step
 
 GPT = dict(batch=2, seq=32, layers=2, vocab=256)
+# Narrow (d=32): activations, not parameter gradients, make the peak, so recompute can lower it.
+NARROW = dict(batch=4, seq=64, layers=2, vocab=256, d=32, heads=2)
 
 
 def _run(workload, **options):
@@ -64,9 +66,9 @@ def test_level0_recomputes_activation_instead_of_keeping_both():
 
 
 def test_levels_reduce_saved_bytes_and_keep_gradients():
-    # Narrow (d=32), so activations, not parameter gradients, make the peak: level 1 lowers it
-    # (a level 1 plan that would not is replaced by level 0's: see the test below)
-    w = build("hf_gpt2", batch=4, seq=64, layers=2, vocab=256, d=32, heads=2)
+    # NARROW: level 1 lowers the peak (a level 1 plan that would not is replaced by level 0's: see
+    # the test below)
+    w = build("hf_gpt2", **NARROW)
     p0, s0, _ = _run(w)
     torch._dynamo.reset()
     p1, s1, _ = _run(w, level=1)
@@ -115,7 +117,7 @@ def _peak(workload, options):
 
 
 def test_budget_monotone_and_within_cap():
-    w = build("hf_gpt2", **GPT)
+    w = build("hf_gpt2", **NARROW)
     p0, _, _ = _run(w)
     torch._dynamo.reset()
     with pytest.raises(BudgetError) as info:
@@ -135,7 +137,7 @@ def test_budget_monotone_and_within_cap():
 def test_budget_between_frontier_cuts_recomputes_less_than_the_cut_under_the_cap():
     """Frontier cuts jump by whole sets of layers; a cap between two takes the cheaper cut plus as
     much of the other's kept values as fits: more bytes and less recompute than that cut."""
-    w = build("hf_gpt2", **GPT)
+    w = build("hf_gpt2", **NARROW)
     p0, _, _ = _run(w)
     torch._dynamo.reset()
     p, split, _ = _run(w, memory_budget=0.9)

@@ -4,11 +4,12 @@ rises as the cap falls.
 Candidates are the level's own plan and every cut on the min-cut frontier (each the cheapest cut
 for some recompute weight) with fewer saved bytes. Fewer saved bytes can still mean a higher
 step peak: a recomputed value is alive again in the backward, perhaps at its peak. So each
-candidate's peak is simulated, and only candidates at or below the peak of every candidate with
-more saved bytes are admissible. A cap then picks the admissible candidate of least recompute
+candidate's peak is simulated, and only candidates strictly below the peak of every candidate
+with more saved bytes are admissible (one whose simulated peak is merely equal recomputes more
+for nothing, and the simulation can be a few hundred bytes off either way). A cap then picks the admissible candidate of least recompute
 cost within it. The candidate list and the rule do not depend on the cap, so a lower cap picks
-either the same plan or one with fewer saved bytes, which admissibility puts at or below the
-higher cap's peak.
+either the same plan or one with fewer saved bytes, which admissibility puts below the higher
+cap's peak.
 
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
@@ -114,7 +115,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     admissible, lowest = [], None
     for saved, lam in candidates:
         peak, cost = simulated(joint, saved, sizes, options, p.cost)
-        if lowest is None or peak <= lowest:
+        if lowest is None or peak < lowest:
             admissible.append((saved, lam, peak, cost))
             lowest = peak
     fits = [c for c in admissible if saved_bytes(p, c[0]) <= cap]
@@ -122,7 +123,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         smallest = saved_bytes(p, admissible[-1][0])
         fewest = saved_bytes(p, candidates[-1][0])
         why = "" if fewest == smallest else (
-            f"; plans that save as little as {fewest} bytes exist, but their simulated peak is higher")
+            f"; plans that save as little as {fewest} bytes exist, but their simulated peak is not lower")
         raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
                           f"the smallest feasible budget is {smallest} bytes "
                           f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
@@ -131,5 +132,6 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     saved, lam, peak, cost = min(fits, key=lambda c: (c[3], -saved_bytes(p, c[0])))
     notes.append(f"memory budget {cap} bytes: saved {saved_bytes(p, saved)} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
-                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and steps between them) do not raise the peak")
+                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and steps between them) admissible: "
+                 "the level's own, then each below every simulated peak before it")
     return saved, lam, recomp
