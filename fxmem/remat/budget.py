@@ -6,10 +6,10 @@ for some recompute weight) with fewer saved bytes. Fewer saved bytes can still m
 step peak: a recomputed value is alive again in the backward, perhaps at its peak. So each
 candidate's peak is simulated, and only candidates strictly below the peak of every candidate
 with more saved bytes are admissible (one whose simulated peak is merely equal recomputes more
-for nothing, and the simulation can be a few hundred bytes off either way). A cap then picks the admissible candidate of least recompute
-cost within it. The candidate list and the rule do not depend on the cap, so a lower cap picks
-either the same plan or one with fewer saved bytes, which admissibility puts below the higher
-cap's peak.
+for nothing, and the simulation can be a few hundred bytes off either way). A cap then picks the
+admissible candidate of least recompute cost within it. The candidate list and the rule do not
+depend on the cap, so a lower cap picks either the same plan or one with fewer saved bytes,
+which admissibility puts below the higher cap's peak.
 
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
@@ -128,7 +128,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
                           f"the smallest feasible budget is {smallest} bytes "
                           f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
     # The least recompute within the cap (ties: the most saved bytes, then the first). A lower cap
-    # picks among a subset: the same plan, or one with fewer bytes, whose peak is no higher.
+    # picks among a subset: the same plan, or one with fewer bytes and a lower simulated peak.
     saved, lam, peak, cost = min(fits, key=lambda c: (c[3], -saved_bytes(p, c[0])))
     notes.append(f"memory budget {cap} bytes: saved {saved_bytes(p, saved)} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
