@@ -214,6 +214,39 @@ def sweep(res: Results, models: list[str], tally: dict) -> list[str]:
     return out
 
 
+def pareto(res: Results, models: list[str]) -> list[str]:
+    """Informational: each of torch's points against fxmem's fastest point at no higher peak."""
+    out = ["### Every torch budget point against fxmem's fastest point at no higher peak (informational)", "",
+           "The fractions mean different things (fxmem's is of its own level 0, already well below torch's "
+           "min-cut), so this compares the two memory/time curves directly: for each of torch's "
+           "configurations, among fxmem's (level 0, level 1 and every budget, same inner compiler) whose peak "
+           "is at most torch's, the one with the lowest time ratio.", "",
+           "| model | inner | torch config | torch peak MiB | fxmem config | fxmem peak MiB | time ratio (median; min) | "
+           "dominated |", "|---|---|---|---:|---|---:|---:|---|"]
+    for m in models:
+        for inner, (label, base) in INNERS.items():
+            budget_base = base if res.has(m, f"{base}+budget0.9") else "inductor"
+            ours = [f"fxmem-{inner}", f"fxmem-{inner}-level1"] + [f"fxmem-{inner}+budget{_fmt_frac(f)}" for f in FRACTIONS]
+            for theirs in [base] + [f"{budget_base}+budget{_fmt_frac(f)}" for f in FRACTIONS]:
+                t = res.get(m, theirs)
+                if t is None:
+                    continue
+                best = None
+                for cfg in ours:
+                    a, b = res.pair(m, cfg, theirs)
+                    if a is not None and a["peak_bytes"] <= t["peak_bytes"]:
+                        ratio, text = _time_ratio(a, b)
+                        if best is None or ratio < best[0]:
+                            best = (ratio, text, cfg, a)
+                if best is None:
+                    out.append(f"| {m} | {label} | `{theirs}` | {_mib(t)} | none at this peak | | | no |")
+                    continue
+                ratio, text, cfg, a = best
+                out.append(f"| {m} | {label} | `{theirs}` | {_mib(t)} | `{cfg}` | {_mib(a)} | {text} | "
+                           f"{'yes' if ratio <= 1.0 else '**no**'} |")
+    return out + [""]
+
+
 def _count(tally: dict, model: str, *oks: bool) -> None:
     if model not in TARGET_MODELS:
         return
@@ -226,7 +259,7 @@ def targets(doc: dict, notes: list[str] = ()) -> str:
     models = list(doc["run"]["models"])
     models = [m for m in TARGET_MODELS if m in models] + [m for m in models if m not in TARGET_MODELS]
     tally = {"pass": 0, "fail": 0}
-    body = level0(res, models, tally) + level1(res, models, tally) + sweep(res, models, tally)
+    body = level0(res, models, tally) + level1(res, models, tally) + sweep(res, models, tally) + pareto(res, models)
     head = [HEADING, "",
             "Written by `python bench/summarize_planner.py` from the JSON of this run. Target models: "
             + ", ".join(f"`{m}`" for m in TARGET_MODELS) + "; others are informational and not counted. Time "
