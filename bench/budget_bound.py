@@ -114,16 +114,15 @@ def torch_plan(model_name: str, quick: bool, fraction: float) -> dict:
         return fw, bw
 
     torch._dynamo.reset()
-    before = torch._functorch.config.activation_memory_budget
     cfx.min_cut_rematerialization_partition = capture
-    try:
-        torch._functorch.config.activation_memory_budget = fraction
-        wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
-        fn = torch.compile(wl.model, backend="inductor")
-        wl.loss(fn(**batch)).backward()
+    try:  # no compile caches: a cache hit would skip the partitioner
+        with torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
+            fn = torch.compile(wl.model, backend="inductor")
+            wl.loss(fn(**batch)).backward()
     finally:
         cfx.min_cut_rematerialization_partition = original
-        torch._functorch.config.activation_memory_budget = before
     if len(seen) != 1:
         raise RuntimeError(f"expected one partitioned graph for {model_name}, got {len(seen)}")
     return seen[0]

@@ -105,7 +105,8 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
                 "|---|---:|---:|---:|---|---|"]
         for row in r["rows"]:
             if "error" in row:
-                out.append(f"| {row['label']} | refused: {row['error'][:120]} | | | | |")
+                why = row["error"].split("infeasible; ")[-1].split(";")[0]
+                out.append(f"| {row['label']} | refused: {why} | | | | |")
                 continue
             live = ", ".join(f"{n} {b / MiB:.1f}" for n, b in row["live"])
             out.append(f"| {row['label']} | {row['saved_bytes']:,} | {row['measured_peak'] / MiB:.1f} | "
