@@ -31,8 +31,6 @@ def test_each_budget_config_partitions_with_its_own_budget_in_one_process(kind, 
 
     import torch
 
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     module = importlib.import_module(where)
     original, budgets = module.min_cut_rematerialization_partition, []
 
@@ -46,7 +44,10 @@ def test_each_budget_config_partitions_with_its_own_budget_in_one_process(kind, 
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     x = torch.randn(4, 8)
-    for spec in [kind, f"{kind}+budget0.5", f"{kind}+budget0.1"]:
-        configs.build(copy.deepcopy(model), configs.parse(spec))(x).sum().backward()
+    # No compile caches (a cache hit skips the partitioner). Their own patch(), not monkeypatch:
+    # undoing a monkeypatched config entry can delete it.
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        for spec in [kind, f"{kind}+budget0.5", f"{kind}+budget0.1"]:
+            configs.build(copy.deepcopy(model), configs.parse(spec))(x).sum().backward()
     assert budgets == [1.0, 0.5, 0.1]
     assert torch._functorch.config.activation_memory_budget == 1.0
