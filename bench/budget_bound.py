@@ -181,9 +181,5 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv=None) -> None:
-    study.main(__doc__, "budget_bound.py", "budget-bound", "0.96,0.9,0.7,0.5", run, markdown, argv)
-
-
 if __name__ == "__main__":
-    main()
+    study.main(__doc__, "budget_bound.py", "budget-bound", "0.96,0.9,0.7,0.5", run, markdown)

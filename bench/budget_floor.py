@@ -116,9 +116,5 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv=None) -> None:
-    study.main(__doc__, "budget_floor.py", "budget-floor", "0.3,0.1", run, markdown, argv)
-
-
 if __name__ == "__main__":
-    main()
+    study.main(__doc__, "budget_floor.py", "budget-floor", "0.3,0.1", run, markdown)
