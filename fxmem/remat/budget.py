@@ -111,17 +111,17 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     candidates = [cuts[0]]
     for (more, _), (fewer, lam) in zip(cuts, cuts[1:]):
         candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
-    candidates.sort(key=lambda c: -saved_bytes(p, c[0]))  # stable: the cuts' own order on ties
+    candidates = sorted(((saved, lam, saved_bytes(p, saved)) for saved, lam in candidates),
+                        key=lambda c: -c[2])  # stable: the cuts' own order on ties
     admissible, lowest = [], None
-    for saved, lam in candidates:
+    for saved, lam, nbytes in candidates:
         peak, cost = simulated(joint, saved, sizes, options, p.cost)
         if lowest is None or peak < lowest:
-            admissible.append((saved, lam, peak, cost))
+            admissible.append((saved, lam, nbytes, peak, cost))
             lowest = peak
-    fits = [c for c in admissible if saved_bytes(p, c[0]) <= cap]
+    fits = [c for c in admissible if c[2] <= cap]
     if not fits:
-        smallest = saved_bytes(p, admissible[-1][0])
-        fewest = saved_bytes(p, candidates[-1][0])
+        smallest, fewest = admissible[-1][2], candidates[-1][2]
         why = "" if fewest == smallest else (
             f"; plans that save as little as {fewest} bytes exist, but their simulated peak is not lower")
         raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
@@ -129,8 +129,8 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
                           f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
     # The least recompute within the cap (ties: the most saved bytes, then the first). A lower cap
     # picks among a subset: the same plan, or one with fewer bytes and a lower simulated peak.
-    saved, lam, peak, cost = min(fits, key=lambda c: (c[3], -saved_bytes(p, c[0])))
-    notes.append(f"memory budget {cap} bytes: saved {saved_bytes(p, saved)} bytes (level {options.level} alone: "
+    saved, lam, nbytes, peak, cost = min(fits, key=lambda c: (c[4], -c[2]))
+    notes.append(f"memory budget {cap} bytes: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
                  f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and steps between them) admissible: "
                  "the level's own, then each below every simulated peak before it")

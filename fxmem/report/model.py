@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import sympy
 
-from ..graph.liveness import Event, evaluate, peak, step_schedules, storage_roots
+from ..graph.liveness import Event, evaluate, peak, step_schedules
 from ..options import parse_bytes
 
 SCHEMA_VERSION = 1
@@ -227,10 +227,10 @@ def report_json_path(path: str, index: int) -> str:
 def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str]) -> GraphReport:
     """A GraphReport from a live plan, its split and its sizes."""
     saved_names = {n.name for n in split.saved}
-    roots = storage_roots(plan.problem.joint.gm) if plan.problem is not None else {}
+    inputs = plan.problem.joint.input_names() if plan.problem is not None else set()
 
     def nbytes(n):  # a view of a graph input (a weight's transpose) keeps no storage of its own
-        return sympy.Integer(0) if n in roots and roots[n].op == "placeholder" else sizes.nbytes(n)
+        return sympy.Integer(0) if n.name in inputs else sizes.nbytes(n)
 
     by_id: dict[str, list] = {}
     for c in plan.clusters:
