@@ -224,3 +224,22 @@ def test_varying_batch_sizes_keep_chunking():
         torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
         for k in params:
             torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_graphs_never_match_a_model_after_their_inputs_are_freed():
+    """Regression (a CI flake): chunk graphs linked to their inputs by raw ids, which Python
+    reuses once the tensors are freed, so a later model's report listed a freed chunk graph."""
+    import gc
+
+    from fxmem.backend import COMPILES
+
+    model = _model()
+    params, (x, y) = _params(model), _data(4)
+    ids = {id(t) for t in [*params.values(), x, y]}
+    before = len(COMPILES)
+    _run(_step(model), params, x, y, microbatch_size=2)
+    records = [r for p in COMPILES[before:] for r in p.records]
+    assert records and all(r.input_ids & ids for r in records)
+    del params, x, y
+    gc.collect()
+    assert not any(r.input_ids & ids for r in records)

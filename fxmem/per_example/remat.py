@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ..inputs import Inputs
 from ..options import Options
 from ..remat.partition import Partitioner
 from .ghost import Pass as Ghost
@@ -99,7 +100,7 @@ def _join(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd: int, n_tensors: int, 
     return fx.GraphModule(fw, g)
 
 
-def plan_flat(gm: fx.GraphModule, options: Options, input_ids: frozenset[int] = frozenset()) -> fx.GraphModule:
+def plan_flat(gm: fx.GraphModule, options: Options, input_ids: Inputs | None = None) -> fx.GraphModule:
     """``gm`` with fxmem's recompute plan applied to its inner forward/backward, or ``gm`` itself
     when it has no gradient seed."""
     seed = find_seed(gm)
@@ -128,7 +129,7 @@ def compile_chunk(gm: fx.GraphModule, example_inputs: list, options: Options):
     from .. import inner
 
     options = replace(options, memory_budget=None)
-    ids = frozenset(id(t) for t in example_inputs if isinstance(t, torch.Tensor))
+    ids = Inputs(example_inputs)  # weak: a freed chunk's ids must not match a later model
     ghost = Ghost(options, gm)  # ghost norms + book-keeping on the flat graph (ghost.py)
     materialized = lambda ins: compile_chunk(gm, ins, replace(options, ghost_clipping=False))  # noqa: E731
     if options.inner == "eager":

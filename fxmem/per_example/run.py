@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..inputs import Inputs
 from ..profiling import step_perf
 from .chunk import Split
 
@@ -36,7 +37,7 @@ class ChunkPlan:
     whole_batch: bool = False                  # microbatch_size unset: one chunk (for ghost clipping)
     ghost: list = field(default_factory=list)  # ghost.Decision per per-example weight gradient
 
-    input_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    input_ids: Inputs = field(default_factory=Inputs, repr=False)  # weak: see fxmem/inputs.py
 
     @property
     def chunked(self) -> bool:

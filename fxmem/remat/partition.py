@@ -17,6 +17,7 @@ from ..graph.joint import JointGraph
 from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..fallback import stage_failed
+from ..inputs import Inputs
 from ..options import Options
 from .compromise import pack_masks
 from .plan import Plan, plan
@@ -32,7 +33,7 @@ class Record:
     split: Split
     sizes: SymbolicSizes
     report: Any  # fxmem.report.GraphReport
-    input_ids: frozenset[int]
+    input_ids: Inputs
 
 
 class Partitioner(CustomPartitionerFn):
@@ -41,9 +42,9 @@ class Partitioner(CustomPartitionerFn):
     Keeps every plan and split it made (latest last) for reports and tests.
     """
 
-    def __init__(self, options: Options, input_ids: frozenset[int] = frozenset()):
+    def __init__(self, options: Options, input_ids: Inputs | None = None):
         self.options = options
-        self.input_ids = input_ids  # ids of the Dynamo graph's example inputs: links reports to models
+        self.input_ids = input_ids or Inputs()  # ids of the Dynamo graph's example inputs: links reports to models
         self.records: list[Record] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
