@@ -54,15 +54,57 @@ def heavy_flops(nodes) -> float:
     return sum(f for f in (flops(n) for n in nodes) if f)
 
 
-def lower_bound(problem, caps: list[int]) -> tuple[list[float], list[tuple[int, float]]]:
-    """(least matmul/attention FLOPs of any plan within each cap; the frontier's (bytes, FLOPs))."""
+_TIMES: dict[tuple, float] = {}
+
+
+def op_ns(node) -> float:
+    """Median nanoseconds of a matmul or attention node's op alone, on random inputs of its
+    shapes and strides (this process's threads); 0 for ops without a FLOP formula (cheap ops)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.fx as fx
+
     from fxmem.graph.cost import flops
+
+    if not flops(node):
+        return 0.0
+    vals = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+    args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), vals)
+    key = (node.target, repr(fx.node.map_aggregate((args, kwargs), lambda v: (
+        tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v)))
+    if key not in _TIMES:
+        def real(v):
+            if not isinstance(v, torch.Tensor):
+                return v
+            t = torch.empty_strided(tuple(int(d) for d in v.shape), tuple(int(d) for d in v.stride()), dtype=v.dtype)
+            return t.normal_() if t.is_floating_point() else t.zero_()
+
+        a, k = fx.node.map_aggregate((args, kwargs), real)
+        times = []
+        for i in range(18):
+            start = time.perf_counter_ns()
+            node.target(*a, **k)
+            if i >= 3:  # warm-up
+                times.append(time.perf_counter_ns() - start)
+        _TIMES[key] = float(statistics.median(times))
+    return _TIMES[key]
+
+
+def heavy_ns(nodes) -> float:
+    return sum(op_ns(n) for n in nodes)
+
+
+def lower_bound(problem, caps: list[int], cost) -> tuple[list[float], list[tuple[int, float]]]:
+    """(least recompute ``cost`` (a function of a forward node) of any plan within each cap;
+    the frontier's (bytes, cost) points)."""
     from fxmem.remat.allowlist import NEVER, kind
     from fxmem.remat.mincut import CutProblem, cut, frontier, saved_bytes
 
     joint = problem.joint
     fwd = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
-    broad = CutProblem(joint, problem.nbytes, {n: flops(n) or 0.0 for n in fwd},
+    broad = CutProblem(joint, problem.nbytes, {n: cost(n) for n in fwd},
                        frozenset(n for n in fwd if kind(n) != NEVER))
     points = sorted({(saved_bytes(broad, s), cut(broad, lam)[1]) for s, lam in frontier(broad, LAM_LO, LAM_HI)},
                     key=lambda p: (-p[0], p[1]))
@@ -79,7 +121,7 @@ def lower_bound(problem, caps: list[int]) -> tuple[list[float], list[tuple[int, 
 
 
 def fxmem_plan(model_name: str, quick: bool, fraction: float | None):
-    """(plan, FLOPs of the matmuls and attention its backward recomputes)."""
+    """(plan, FLOPs and nanoseconds of the matmuls and attention its backward recomputes)."""
     import torch
 
     import fxmem
@@ -91,7 +133,8 @@ def fxmem_plan(model_name: str, quick: bool, fraction: float | None):
     fn = torch.compile(wl.model, backend="fxmem", options=opts)
     wl.loss(fn(**batch)).backward()
     plan = fxmem.report(fn).plans[-1]
-    return plan, heavy_flops(split(plan.problem.joint, list(plan.saved)).recomputed)
+    rec = split(plan.problem.joint, list(plan.saved)).recomputed
+    return plan, heavy_flops(rec), heavy_ns(rec)
 
 
 def torch_plan(model_name: str, quick: bool, fraction: float) -> dict:
@@ -110,7 +153,7 @@ def torch_plan(model_name: str, quick: bool, fraction: float) -> dict:
         fw, bw = original(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
         rec = [n for n in bw.graph.nodes if n.name in fwd_names]
         seen.append({"recomputed_nodes": len(rec), "recomputed_heavy": sorted(n.name for n in rec if heavy_flops([n])),
-                     "recompute_flops": heavy_flops(rec)})
+                     "recompute_flops": heavy_flops(rec), "recompute_ns": heavy_ns(rec)})
         return fw, bw
 
     torch._dynamo.reset()
@@ -130,19 +173,22 @@ def torch_plan(model_name: str, quick: bool, fraction: float) -> dict:
 
 def run(model_name: str, fractions: list[float], quick: bool) -> dict:
     total = step_flops(model_name, quick)
-    level0, _ = fxmem_plan(model_name, quick, None)
+    level0, _, _ = fxmem_plan(model_name, quick, None)
     from fxmem.remat.mincut import saved_bytes
 
     level0_bytes = saved_bytes(level0.problem, level0.saved)
     caps = [int(f * level0_bytes) for f in fractions]
-    bounds, points = lower_bound(level0.problem, caps)
+    from fxmem.graph.cost import flops
+
+    bounds, points = lower_bound(level0.problem, caps, lambda n: flops(n) or 0.0)
+    time_bounds, _ = lower_bound(level0.problem, caps, op_ns)
     rows = []
-    for f, cap, bound in zip(fractions, caps, bounds):
-        print(f"{model_name} {f}: bound {bound / 1e9:.2f} GFLOP", flush=True)
-        row = {"fraction": f, "cap_bytes": cap, "bound_flops": bound}
+    for f, cap, bound, time_bound in zip(fractions, caps, bounds, time_bounds):
+        print(f"{model_name} {f}: bound {bound / 1e9:.2f} GFLOP, {time_bound / 1e6:.1f} ms", flush=True)
+        row = {"fraction": f, "cap_bytes": cap, "bound_flops": bound, "bound_ns": time_bound}
         try:
-            plan, rec = fxmem_plan(model_name, quick, f)
-            row.update(fxmem_bytes=saved_bytes(plan.problem, plan.saved), fxmem_flops=rec)
+            plan, rec, ns = fxmem_plan(model_name, quick, f)
+            row.update(fxmem_bytes=saved_bytes(plan.problem, plan.saved), fxmem_flops=rec, fxmem_ns=ns)
         except Exception as e:  # an infeasible budget: BudgetError, wrapped by Dynamo
             row.update(fxmem_error=str(e).splitlines()[0][:200])
         row["torch"] = torch_plan(model_name, quick, f)
@@ -159,24 +205,31 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
             return "-"
         return "no plan" if x == float("inf") else f"{x / 1e9:.3g} ({100 * x / total:.1f}%)"
 
+    def ms(ns):
+        return "-" if ns is None else "no plan" if ns == float("inf") else f"{ns / 1e6:.1f}"
+
     out = [f"# Recompute a budget needs: `{name}`", "", f"`{cmd}`", "",
            f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}. "
            "GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); "
            "% = of one eager step's FLOPs. *Bound*: the least any plan keeping at most the cap "
            "recomputes (min-cut frontier hull, every forward op recomputable); fxmem: its plan at that "
-           "`memory_budget`; torch: Inductor with `activation_memory_budget` at the same fraction.", ""]
+           "`memory_budget`; torch: Inductor with `activation_memory_budget` at the same fraction. "
+           "*ms*: the same with each matmul and attention priced by its own time alone at its shapes "
+           "(median of 15 runs here): the bound then is the least recompute time of any plan within the cap.", ""]
     for r in results:
         out += [f"**{r['model']}** ({', '.join(f'{k}={v}' for k, v in r['model_kwargs'].items())}): "
                 f"step {r['step_flops'] / 1e9:.1f} GFLOP; fxmem level 0 keeps {r['level0_bytes']:,} bytes.", "",
-                "| fraction | cap bytes | bound GFLOP (% step) | fxmem bytes | fxmem GFLOP | fxmem / bound | torch GFLOP | torch recomputes |",
-                "|---:|---:|---:|---:|---:|---:|---:|---|"]
+                "| fraction | cap bytes | bound GFLOP (% step) | fxmem bytes | fxmem GFLOP | fxmem / bound | torch GFLOP "
+                "| bound ms | fxmem ms | torch ms | torch recomputes |",
+                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in r["rows"]:
             t, b, fx_ = row["torch"], row["bound_flops"], row.get("fxmem_flops")
             fxb = f"{row['fxmem_bytes']:,}" if "fxmem_bytes" in row else "infeasible"
             ratio = f"{fx_ / b:.2f}" if fx_ is not None and b not in (0, float("inf")) else ""
             total = r["step_flops"]
             out.append(f"| {row['fraction']} | {row['cap_bytes']:,} | {g(b, total)} | {fxb} | {g(fx_, total)} | {ratio} | "
-                       f"{g(t['recompute_flops'], total)} | {', '.join(t['recomputed_heavy']) or 'none'} |")
+                       f"{g(t['recompute_flops'], total)} | {ms(row.get('bound_ns'))} | {ms(row.get('fxmem_ns'))} | "
+                       f"{ms(t.get('recompute_ns'))} | {', '.join(t['recomputed_heavy']) or 'none'} |")
         out.append("")
     return "\n".join(out) + "\n"
 

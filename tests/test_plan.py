@@ -134,6 +134,26 @@ def test_budget_monotone_and_within_cap():
         last_bytes, last_peak = p.saved_bytes, peak
 
 
+def test_budget_mixes_the_cuts_unit_by_unit(monkeypatch):
+    """Frontier cuts of identical layers differ by one kind of projection in every layer; the
+    cheapest plan under a cap can mix them (two layers' gate projections and one query
+    projection). The greedy walk's plans find such mixes: less recompute than the cuts and the
+    steps between two neighbouring cuts alone, within the same cap (here at 0.9; elsewhere the
+    other candidates can be as cheap)."""
+    from fxmem.remat import budget
+
+    frac = 0.9
+    w = build("hf_llama", **NARROW)
+    p0, _, _ = _run(w)
+    torch._dynamo.reset()
+    p, split, _ = _run(w, memory_budget=frac)
+    torch._dynamo.reset()
+    monkeypatch.setattr(budget, "_greedy", lambda *args: [])
+    q, q_split, _ = _run(w, memory_budget=frac)
+    assert q.saved_bytes <= frac * p0.saved_bytes and p.saved_bytes <= frac * p0.saved_bytes
+    assert sum(p.problem.cost[n] for n in split.recomputed) < sum(q.problem.cost[n] for n in q_split.recomputed)
+
+
 def test_budget_between_frontier_cuts_recomputes_less_than_the_cut_under_the_cap():
     """Frontier cuts jump by whole sets of layers; a cap between two takes the cheaper cut plus as
     much of the other's kept values as fits: more bytes and less recompute than that cut."""

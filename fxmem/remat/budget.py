@@ -14,9 +14,11 @@ which admissibility puts below the higher cap's peak.
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
 than it needs. Between two neighbouring cuts the candidates therefore also include the one with
-fewer bytes plus a growing part of the other's extra kept values, in two orders: the last layer's
-first (the backward frees them first), and the smallest first (so the largest stay recomputed);
-a superset of a valid saved set is valid: it only recomputes less. At most ``STEPS`` such plans
+fewer bytes plus a growing part of the other's extra kept values, in three orders: the last layer's
+first (the backward frees them first), the smallest first (so the largest stay recomputed), and
+whole units (values with the ops they spare), most recompute spared per byte first, a greedy
+knapsack that mixes cuts layer by layer and projection by projection. A superset of a valid saved
+set is valid: it only recomputes less. At most ``STEPS`` such plans
 per pair and order keep the simulations few on deep models.
 """
 
@@ -32,7 +34,7 @@ from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import OptionError, Options
 from .mincut import CutProblem, frontier, saved_bytes
-from .split import split
+from .split import recomputed, split
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
@@ -73,6 +75,67 @@ def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: Sy
             if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
 
 
+def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[set, set]]:
+    """How two neighbouring cuts differ, in independent units ``(drop, add)``: going from ``more``
+    to ``fewer`` in one unit drops its values of ``more``, keeps its values of ``fewer`` instead
+    and recomputes its ops. A unit is a connected group (by data edges) of the values and ops in
+    which the cuts differ, e.g. one layer's gate projection with its output."""
+    a, b = set(more), set(fewer)
+    members = {n for n in a ^ b if n.op != "placeholder"} | (recomputed(joint, b) ^ recomputed(joint, a))
+    seen: set[fx.Node] = set()
+    units = []
+    for start in (n for n in joint.gm.graph.nodes if n in members and n not in seen):
+        todo, group = [start], set()
+        seen.add(start)
+        while todo:
+            n = todo.pop()
+            group.add(n)
+            for m in [*n.all_input_nodes, *n.users]:
+                if m in members and m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        if group & (a - b):
+            units.append((group & (a - b), group & (b - a)))
+    return units
+
+
+def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem) -> list[list[fx.Node]]:
+    """A greedy walk from the first cut down to the last, and every plan one unit away from it.
+    Each step applies the one unit (of any neighbouring pair of cuts, :func:`_units`) that frees
+    bytes at the least extra recompute cost per byte freed. This mixes the cuts layer by layer
+    and projection by projection (e.g. two layers' gate projections and one query projection),
+    which the cuts alone and the steps between two of them do not."""
+    units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(joint, more, fewer)]
+    pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+
+    allowed = p.recomputable | recomputed(joint, cuts[0])  # the level's own plan may recompute more
+
+    def score(saved: set[fx.Node]) -> tuple[int, float] | None:
+        rec = recomputed(joint, saved)
+        if not rec <= allowed:
+            return None  # would recompute what may not be
+        return saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in rec)
+
+    current, plans = set(cuts[0]), {}
+    nbytes, cost = score(current)
+    while True:
+        best = None
+        for drop, add in units:
+            if not drop <= current:
+                continue
+            step = (current - drop) | add
+            s = score(step)
+            if s is None or s[0] >= nbytes:
+                continue
+            plans.setdefault(frozenset(step), step)  # every one-unit step: a greedy knapsack's last item
+            rate = (s[1] - cost) / (nbytes - s[0])
+            if best is None or rate < best[0]:
+                best = (rate, step, s)
+        if best is None:
+            return [sorted(plan, key=pos.__getitem__) for plan in plans.values()]
+        _, current, (nbytes, cost) = best
+
+
 def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
              nbytes: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """``fewer`` plus the first j of ``more``'s extra kept values (graph inputs cost nothing and
@@ -89,6 +152,22 @@ def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
             plan = sorted(fewer + order[:j], key=pos.__getitem__)
             plans.setdefault(tuple(plan), plan)
     return list(plans.values())
+
+
+def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
+            ) -> list[tuple[list[fx.Node], float, int, float]]:
+    """(saved, weight, bytes, recompute cost) of the candidates that no other beats on both bytes
+    and cost, most bytes first; the first candidate (the level's own plan) always. Only these are
+    simulated: a plan with more bytes and more cost than another is never worth its peak."""
+    def scored(saved, lam):
+        return saved, lam, saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in recomputed(joint, saved))
+
+    first, *rest = [scored(*c) for c in candidates]
+    kept = []
+    for c in sorted(rest, key=lambda c: (c[2], c[3])):  # fewest bytes first; stable: the first of equals
+        if c[2] < first[2] and (not kept or c[3] < kept[-1][3]):
+            kept.append(c)
+    return [first] + sorted(kept, key=lambda c: -c[2])
 
 
 def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
@@ -111,10 +190,12 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     candidates = [cuts[0]]
     for (more, _), (fewer, lam) in zip(cuts, cuts[1:]):
         candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
-    candidates = sorted(((saved, lam, saved_bytes(p, saved)) for saved, lam in candidates),
-                        key=lambda c: -c[2])  # stable: the cuts' own order on ties
+    # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
+    candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
+                   for c in _greedy(joint, [c for c, _ in cuts], p)]
+    candidates = _pareto(joint, p, candidates)
     admissible, lowest = [], None
-    for saved, lam, nbytes in candidates:
+    for saved, lam, nbytes, _ in candidates:
         peak, cost = simulated(joint, saved, sizes, options, p.cost)
         if lowest is None or peak < lowest:
             admissible.append((saved, lam, nbytes, peak, cost))

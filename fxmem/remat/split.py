@@ -81,21 +81,10 @@ def _output_descs(gm: fx.GraphModule) -> list:
     return list(descs) if descs is not None else [None] * len(out.args[0])
 
 
-def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
-    """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
-
-    ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
-    that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
-    Raises :class:`InvalidSavedSet` if the backward would recompute a random op.
-    """
-    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
-    saved = set(saved)
-    bad = [n.name for n in saved if n in joint.backward or n.op == "output" or is_multi_output(n)]
-    if bad:
-        raise InvalidSavedSet(f"saved set holds nodes that are backward-only or tuples: {', '.join(bad)}")
-    tangents = set(joint.tangents)
-    # Walk back from the gradients; forward-side SymInts and graph inputs become saved too.
-    stop = saved | tangents
+def _walk(joint: JointGraph, saved: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(every node the backward reaches, ``saved`` plus the forward-side SymInts and graph inputs
+    it needs): a walk back from the gradients that stops at saved values and tangents."""
+    stop, saved = saved | set(joint.tangents), set(saved)
     todo, seen = [n for n in joint.bwd_outputs if isinstance(n, fx.Node)], set()
     while todo:
         n = todo.pop()
@@ -108,8 +97,34 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
             saved.add(n)
             continue
         todo.extend(n.all_input_nodes)
-    recomputed = sorted((n for n in seen - saved if n not in joint.backward and n not in tangents
-                         and n.op != "get_attr"), key=order.__getitem__)
+    return seen, saved
+
+
+def _recomputed(joint: JointGraph, seen: set[fx.Node], saved: set[fx.Node]) -> set[fx.Node]:
+    tangents = set(joint.tangents)
+    return {n for n in seen - saved if n not in joint.backward and n not in tangents and n.op != "get_attr"}
+
+
+def recomputed(joint: JointGraph, saved) -> set[fx.Node]:
+    """The forward nodes the backward runs again when ``saved`` is kept (what :func:`split`
+    would copy into the backward, without building the graphs)."""
+    return _recomputed(joint, *_walk(joint, set(saved)))
+
+
+def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
+    """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
+
+    ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
+    that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
+    Raises :class:`InvalidSavedSet` if the backward would recompute a random op.
+    """
+    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    saved = set(saved)
+    bad = [n.name for n in saved if n in joint.backward or n.op == "output" or is_multi_output(n)]
+    if bad:
+        raise InvalidSavedSet(f"saved set holds nodes that are backward-only or tuples: {', '.join(bad)}")
+    seen, saved = _walk(joint, saved)
+    recomputed = sorted(_recomputed(joint, seen, saved), key=order.__getitem__)
     random = [n.name for n in recomputed if is_random(n)]
     if random:
         raise InvalidSavedSet(f"the backward would recompute random ops {random}: save them or replay their RNG")
