@@ -16,8 +16,12 @@ storage). So no plan fxmem could make under the cap recomputes less.
 For each fraction the table sets that bound against fxmem's plan (Inductor inner compiler, as the
 timed configurations) and torch's ``activation_memory_budget`` plan at the same fraction (Inductor's
 min-cut partition, captured when it runs): the matmul and attention FLOPs each recomputes, as a
-share of the eager step's FLOPs (``torch.utils.flop_counter``). Step times are in
-``bench/interleaved.py``'s results.
+share of the eager step's FLOPs (``torch.utils.flop_counter``). The same three figures are also
+given in milliseconds: each matmul and attention node priced by the median time of its own op
+alone, on random inputs of its shapes and strides (one thread, as the benchmarks). The time bound
+is the same hull with those prices, so it is the least recompute time of any plan under the cap,
+to set against the time torch's plan recomputes (attention runs slower per FLOP than a matmul on
+this CPU). Step times are in ``bench/interleaved.py``'s results.
 
 Writes ``bench/results/<name>.{json,md}``.
 """

@@ -14,12 +14,13 @@ which admissibility puts below the higher cap's peak.
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
 than it needs. Between two neighbouring cuts the candidates therefore also include the one with
-fewer bytes plus a growing part of the other's extra kept values, in three orders: the last layer's
-first (the backward frees them first), the smallest first (so the largest stay recomputed), and
-whole units (values with the ops they spare), most recompute spared per byte first, a greedy
-knapsack that mixes cuts layer by layer and projection by projection. A superset of a valid saved
-set is valid: it only recomputes less. At most ``STEPS`` such plans
-per pair and order keep the simulations few on deep models.
+fewer bytes plus a growing part of the other's extra kept values, in two orders: the last layer's
+first (the backward frees them first), and the smallest first (so the largest stay recomputed);
+a superset of a valid saved set is valid: it only recomputes less. At most ``STEPS`` such plans
+per pair and order keep the simulations few on deep models. The cheapest plan under a cap can
+also mix cuts projection by projection (two layers' gate projections and one query projection):
+a greedy walk over the units in which neighbouring cuts differ, with every plan one unit off the
+walk, adds those. Only candidates that no other beats on both bytes and recompute are simulated.
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     saved, lam, nbytes, peak, cost = min(fits, key=lambda c: (c[4], -c[2]))
     notes.append(f"memory budget {cap} bytes: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
-                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts and steps between them) admissible: "
+                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts, steps between them and greedy mixes, "
+                 "those no other beats on bytes and recompute) admissible: "
                  "the level's own, then each below every simulated peak before it")
     return saved, lam, recomp
