@@ -76,6 +76,11 @@ def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: Sy
             if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
 
 
+def _cost(joint: JointGraph, p: CutProblem, saved) -> float:
+    """Recompute cost of a saved set (what :func:`split` would recompute, priced by ``p``)."""
+    return sum(p.cost.get(n, 0.0) for n in recomputed(joint, saved))
+
+
 def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[set, set]]:
     """How two neighbouring cuts differ, in independent units ``(drop, add)``: going from ``more``
     to ``fewer`` in one unit drops its values of ``more``, keeps its values of ``fewer`` instead
@@ -100,22 +105,19 @@ def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list
     return units
 
 
-def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem) -> list[list[fx.Node]]:
+def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem, pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """A greedy walk from the first cut down to the last, and every plan one unit away from it.
     Each step applies the one unit (of any neighbouring pair of cuts, :func:`_units`) that frees
     bytes at the least extra recompute cost per byte freed. This mixes the cuts layer by layer
     and projection by projection (e.g. two layers' gate projections and one query projection),
     which the cuts alone and the steps between two of them do not."""
     units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(joint, more, fewer)]
-    pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
-
     allowed = p.recomputable | recomputed(joint, cuts[0])  # the level's own plan may recompute more
 
     def score(saved: set[fx.Node]) -> tuple[int, float] | None:
-        rec = recomputed(joint, saved)
-        if not rec <= allowed:
+        if not recomputed(joint, saved) <= allowed:
             return None  # would recompute what may not be
-        return saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in rec)
+        return saved_bytes(p, saved), _cost(joint, p, saved)
 
     current, plans = set(cuts[0]), {}
     nbytes, cost = score(current)
@@ -161,7 +163,7 @@ def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Nod
     and cost, most bytes first; the first candidate (the level's own plan) always. Only these are
     simulated: a plan with more bytes and more cost than another is never worth its peak."""
     def scored(saved, lam):
-        return saved, lam, saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in recomputed(joint, saved))
+        return saved, lam, saved_bytes(p, saved), _cost(joint, p, saved)
 
     first, *rest = [scored(*c) for c in candidates]
     kept = []
@@ -193,11 +195,11 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
     # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
     candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
-                   for c in _greedy(joint, [c for c, _ in cuts], p)]
+                   for c in _greedy(joint, [c for c, _ in cuts], p, pos)]
     candidates = _pareto(joint, p, candidates)
     admissible, lowest = [], None
-    for saved, lam, nbytes, _ in candidates:
-        peak, cost = simulated(joint, saved, sizes, options, p.cost)
+    for saved, lam, nbytes, cost in candidates:
+        peak, _ = simulated(joint, saved, sizes, options)
         if lowest is None or peak < lowest:
             admissible.append((saved, lam, nbytes, peak, cost))
             lowest = peak
