@@ -4,10 +4,11 @@
 """
 
 from .backend import fxmem_backend, register
+from .compilation import Compilation, compilations
 from .options import Options, Rule, resolve
 from .report import MemoryReport, explain, report
+from .version import __version__
 
-__version__ = "0.1.0"
-__all__ = ["MemoryReport", "Options", "Rule", "explain", "fxmem_backend", "report", "resolve", "__version__"]
+__all__ = ["Compilation", "MemoryReport", "Options", "Rule", "compilations", "explain", "fxmem_backend", "report", "resolve", "__version__"]
 
 register()

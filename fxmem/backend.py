@@ -1,84 +1,115 @@
-"""The ``fxmem`` torch.compile backend: options -> AOTAutograd joint graph -> plan -> split -> inner compiler."""
+"""The ``fxmem`` torch.compile backend, stage by stage.
+
+    Dynamo graph ─► options ─► per-example regions (vmap(grad) → chunked step) ─► pattern lowering
+        ─► AOTAutograd joint graph ─► symbolic sizes ─► recompute plan (min-cut) ─► fw/bw split
+        ─► inner compiler (eager | Inductor) ─► reports, on the compile's Compilation record
+
+A per-example region's chunk graphs take the same path from pattern lowering on
+(:func:`_compile_chunk`), when the chunked step first runs at a size.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
 
 from . import inner, lowering, per_example
+from .compilation import Compilation, Compiled
 from .fallback import stage_failed
 from .inputs import Inputs
 from .options import OptionError, Options, resolve
-from .per_example.remat import compile_chunk
 from .remat.partition import Partitioner
+from .report import publish
 
 log = logging.getLogger("fxmem")
-
-# Every partitioner fxmem made, oldest first: the source for reports and tests.
-COMPILES: list[Partitioner] = []
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
     """``torch.compile(model, backend="fxmem", options={...})``."""
+    opts = _options(options, kwargs)
+    log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
+    comp = Compilation(opts, Inputs(example_inputs), _compile_id())
+    compiled = _per_example(gm, example_inputs, comp) or _whole(gm, example_inputs, comp)
+    return Compiled(compiled, comp)
+
+
+def _options(options: Mapping[str, Any] | Options | None, kwargs: Mapping[str, Any]) -> Options:
     if kwargs:
         raise ValueError(f"fxmem backend: unexpected arguments {sorted(kwargs)}; pass settings as options={{...}}")
     try:
-        opts = resolve(options)
+        return resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
-    log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
+
+
+def _per_example(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> Callable | None:
+    """The chunked step when the graph has a per-example region to chunk, else None."""
+    def compile_chunk(g: fx.GraphModule, ins: list, measure: bool = False) -> Callable:
+        opts = replace(comp.options, inner="eager") if measure else comp.options
+        return _compile_chunk(g, ins, comp, opts)
+
+    def decided(plan: per_example.ChunkPlan) -> None:
+        comp.chunk_plan = plan
+
     try:
-        chunked = per_example.compile_chunked(gm, example_inputs, opts, lambda g, ins: compile_chunk(g, ins, opts),
-                                              lambda g, ins: compile_chunk(g, ins, replace(opts, inner="eager")))
+        chunked = per_example.compile_chunked(gm, example_inputs, comp.options, compile_chunk, decided)
     except Exception as e:  # noqa: BLE001 - the failure policy decides
-        stage_failed("per_example", e, opts)
-        chunked = None
-    if chunked is not None:
-        log.debug("fxmem per-example: the graph runs in chunks")
-        return chunked
-    log.debug("fxmem per-example: nothing to chunk")
+        stage_failed("per_example", e, comp.options)
+        return None
+    log.debug("fxmem per-example: %s", "the graph runs in chunks" if chunked else "nothing to chunk")
+    return chunked
+
+
+def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> Callable:
+    """Lowering, AOTAutograd with fxmem's partitioner, the inner compiler, the reports."""
+    opts = comp.options
     try:
-        return _compile(gm, example_inputs, opts)
+        gm, lowered = lowering.lower(gm, example_inputs, opts)
+        log.debug("fxmem lowering: %d patterns lowered, %d skipped", len(lowered.lowered), len(lowered.skipped))
+        partitioner = Partitioner(opts)
+        compiled = inner.compile_joint(gm, example_inputs, opts.inner, partitioner)
     except Exception as e:  # noqa: BLE001
         stage_failed("compile", e, opts)
-        return _safe_compile(gm, example_inputs)
-
-
-def _safe_compile(gm: fx.GraphModule, example_inputs: list[Any]):
-    """The safe path: AOTAutograd's plain partition (save everything) and the eager inner compiler."""
-    from torch._functorch.partitioners import default_partition
-
-    return aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=default_partition)(gm, example_inputs)
-
-
-def _compile(gm: fx.GraphModule, example_inputs: list[Any], opts: Options):
-    """Pattern lowering, then AOTAutograd with fxmem's partitioner, then the inner compiler."""
-    gm, lowered = lowering.lower(gm, example_inputs, opts)
-    log.debug("fxmem lowering: %d patterns lowered, %d skipped", len(lowered.lowered), len(lowered.skipped))
-    partitioner = Partitioner(opts, Inputs(example_inputs))
-    if opts.inner == "eager":
-        compiled = aot_autograd(fw_compiler=inner.eager, bw_compiler=inner.eager, partition_fn=partitioner)(gm, example_inputs)
-    else:
-        from torch._functorch import config as functorch_config
-        from torch._inductor.compile_fx import compile_fx
-
-        # A hit in AOTAutograd's cache skips the partitioner, so the graph would have no plan or
-        # report; Inductor's FX graph cache still serves the compiled forward and backward.
-        with functorch_config.patch(enable_autograd_cache=False):
-            compiled = compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
-    log.debug("fxmem compile: %s inner compiler done, %d plan(s)", opts.inner, len(partitioner.records))
-    COMPILES.append(partitioner)
-    lowered.attach(partitioner)
+        return inner.compile_safe(gm, example_inputs)
+    log.debug("fxmem compile: %s inner compiler done, %d plan(s)", opts.inner, len(partitioner.planned))
+    publish(comp, partitioner.planned, lowered)
     return compiled
 
 
+def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, opts: Options) -> Callable:
+    """A per-example chunk graph: lowering, then AOTAutograd's flat graph with ghost norms
+    (``ghost_clipping``) and the recompute plan of its inner backward, the inner compiler, the
+    reports. In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch
+    size), so the inner planner gets the level and rules only."""
+    opts = replace(opts, memory_budget=None)
+    gm, lowered = lowering.lower(gm, example_inputs, opts)
+    partitioner = Partitioner(opts)
+    ghost = per_example.Ghost(opts, gm)
+    compiled = inner.compile_flat(gm, example_inputs, opts.inner, lambda g: per_example.plan_flat(g, partitioner),
+                                  rewrite=ghost if ghost.enabled else None)
+    if ghost.decisions and comp.chunk_plan is not None:
+        comp.chunk_plan.ghost = ghost.decisions
+    publish(comp, partitioner.planned, lowered)
+    materialized = lambda ins: _compile_chunk(gm, ins, comp, replace(opts, ghost_clipping=False))  # noqa: E731
+    return ghost.guard(compiled, materialized)
+
+
+def _compile_id():
+    """Dynamo's id of the frame being compiled (``"0/1"``, as tlparse names it), or None."""
+    return torch._guards.CompileContext.current_compile_id()
+
+
 def register() -> None:
-    """Register ``fxmem`` with Dynamo (the entry point does this without an import)."""
+    """Register ``fxmem`` with Dynamo (the entry point does this without an import) and with
+    ``TORCH_LOGS`` (``TORCH_LOGS=fxmem``)."""
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    from .logs import register_logs
 
     if "fxmem" not in _BACKENDS:
         register_backend(name="fxmem")(fxmem_backend)
+    register_logs()

@@ -13,34 +13,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .graph.inplace import COMMUTATIVE, INPLACE, INTO_FIRST
 from .graph.liveness import last_reads, storage_roots
 
 aten = torch.ops.aten
-
-# out-of-place op -> in-place op writing into its first argument (same values, bit for bit)
-_INPLACE = {aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor,
-            aten.mul.Tensor: aten.mul_.Tensor, aten.div.Tensor: aten.div_.Tensor}
-_COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
-
-
-def _log_softmax_backward_into_grad(grad, output, dim, dtype):
-    # Row-wise two-pass kernel (sum, then write at the index it read): safe to alias grad and
-    # the result; tests/test_inner.py checks bit equality.
-    return aten._log_softmax_backward_data.out(grad, output, dim, dtype, out=grad)
-
-
-def _softmax_backward_into_grad(grad, output, dim, dtype):
-    return aten._softmax_backward_data.out(grad, output, dim, dtype, grad_input=grad)
-
-
-_log_softmax_backward_into_grad._fxmem_writes_first = True  # liveness: no new storage
-_softmax_backward_into_grad._fxmem_writes_first = True
-
-
-# ops whose first argument (the incoming gradient) can receive their result
-_INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
-               aten._softmax_backward_data.default: _softmax_backward_into_grad}
-
 
 def _fresh_contiguous(val, like) -> bool:
     return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.shape == like.shape
@@ -67,17 +43,17 @@ def reuse_dead_buffers(gm: fx.GraphModule) -> int:
 
     rewritten = 0
     for n in nodes:
-        if n.op == "call_function" and n.target in _INTO_FIRST and can_write(n.args[0], [n.args[1]], n):
-            n.target = _INTO_FIRST[n.target]
+        if n.op == "call_function" and n.target in INTO_FIRST and can_write(n.args[0], [n.args[1]], n):
+            n.target = INTO_FIRST[n.target]
             rewritten += 1
             continue
-        if n.op != "call_function" or n.target not in _INPLACE or len(n.args) != 2:
+        if n.op != "call_function" or n.target not in INPLACE or len(n.args) != 2:
             continue
         a, b = n.args
         if can_write(a, [b], n):
-            n.target = _INPLACE[n.target]
-        elif n.target in _COMMUTATIVE and not n.kwargs and can_write(b, [a], n):  # x + y == y + x, bitwise
-            n.target, n.args = _INPLACE[n.target], (b, a)
+            n.target = INPLACE[n.target]
+        elif n.target in COMMUTATIVE and not n.kwargs and can_write(b, [a], n):  # x + y == y + x, bitwise
+            n.target, n.args = INPLACE[n.target], (b, a)
         else:
             continue
         rewritten += 1
@@ -129,3 +105,49 @@ def eager(gm: fx.GraphModule, example_inputs: Any):
     box = lambda args: run(args)  # noqa: E731
     box._boxed_call = True  # type: ignore[attr-defined]
     return box
+
+
+def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partition_fn: Any):
+    """A training graph: AOTAutograd with ``partition_fn`` (fxmem's partitioner), then the inner
+    compiler (``"eager"`` or ``"inductor"``) on the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if inner == "eager":
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition_fn)(gm, example_inputs)
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    # A hit in AOTAutograd's cache skips the partitioner, so the graph would have no plan or
+    # report; Inductor's FX graph cache still serves the compiled forward and backward.
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partition_fn})
+
+
+def compile_safe(gm: fx.GraphModule, example_inputs: list):
+    """The safe path: AOTAutograd's plain partition (save everything) and the eager inner compiler."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import default_partition
+
+    return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=default_partition)(gm, example_inputs)
+
+
+def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any, rewrite: Any = None):
+    """A graph that runs without an outer backward (a per-example chunk): AOTAutograd traces its
+    flat aten graph; ``rewrite`` (ghost norms, optional) runs on it before Inductor's
+    decompositions, ``plan`` (the recompute plan of the inner backward) after them; then the
+    inner compiler."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if inner == "eager":
+        fw = (lambda g, ins: eager(plan(rewrite(g)), ins)) if rewrite else (lambda g, ins: eager(plan(g), ins))
+        return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)
+    from functorch.compile import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(g, ins, **kwargs):
+        return compile_fx_inner(plan(g), ins, **kwargs)
+
+    if rewrite is None:
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    return aot_autograd(fw_compiler=lambda g, ins: make_boxed_func(compile_fx(rewrite(g), ins, inner_compile=inner_compile)),
+                        bw_compiler=eager)(gm, example_inputs)

@@ -105,7 +105,7 @@ class _Opts(NamedTuple):
 
 
 # -- checks and sizes --------------------------------------------------------------------------
-def _row_bytes(v: int, dtype: torch.dtype, softcap, triton_path: bool) -> int:
+def row_bytes(v: int, dtype: torch.dtype, softcap, triton_path: bool) -> int:
     """Workspace one token row needs: the Triton path keeps the chunk's logits in the input
     dtype; the PyTorch path keeps them in fp32 (a second fp32 buffer with softcap, for the tanh
     derivative) plus, for bf16/fp16, the input-dtype matmul result / cast of the gradient."""
@@ -155,7 +155,7 @@ def _check(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, re
         bad(f"logits must have shape [{rows}, {v}] (hidden's rows, vocab) and dtype {h.dtype}, got "
             f"{list(logits.shape)} {logits.dtype}")
     triton_path = use_triton(o.impl, h)
-    need = _row_bytes(v, h.dtype, o.softcap, triton_path)
+    need = row_bytes(v, h.dtype, o.softcap, triton_path)
     if not isinstance(o.workspace_bytes, int) or o.workspace_bytes < need:
         bad(f"workspace_bytes={o.workspace_bytes!r} is too small for one row of {v} logits "
             f"({h.dtype}, {'triton' if triton_path else 'torch'} path): needs at least {need}")
@@ -278,7 +278,7 @@ def _run(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, g: O
     need_h, need_w, need_b = grads if g is not None else (False, False, False)
     if lse_in is None:
         _check_targets(t, v, o.ignore_index)
-    rows = max(1, min(n, o.workspace_bytes // _row_bytes(v, dtype, o.softcap, triton_path)))
+    rows = max(1, min(n, o.workspace_bytes // row_bytes(v, dtype, o.softcap, triton_path)))
     dev = h.device
     loss = torch.empty(n, dtype=torch.float32, device=dev) if lse_in is None else None
     lse = torch.empty(n, dtype=torch.float32, device=dev) if lse_in is None else None

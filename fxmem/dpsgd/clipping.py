@@ -53,7 +53,7 @@ def _argnums(value: Any, name: str) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _clipping_norm(value: Any, where: str = "clipped_grad") -> float:
+def check_clipping_norm(value: Any, where: str = "clipped_grad") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value <= 0:
         raise ValueError(f"{where}: clipping_norm must be a positive number (inf = no clipping), "
                          f"got {value!r}")
@@ -238,18 +238,20 @@ class ClippedGradFn:
         return next(iter(sizes))
 
     def __call__(self, *args):
-        from ..per_example import PLANS
+        from ..compilation import compilations
 
         batch = self.batch_size(args)
         if batch == 0:
             return self._empty(args)
-        before = len(PLANS)
         # The result is a clipped gradient, not something to differentiate again: running the
         # compiled step without autograd tracking gives AOTAutograd a forward-only graph (and
         # the per-example pass chunks only such graphs).
         with torch.no_grad():
             out = self.compiled(*args)
-        self.plans.extend(PLANS[before:])  # what the per-example pass decided for this step
+        params = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
+        for c in compilations(self.compiled, match=params):  # what the per-example pass decided
+            if c.chunk_plan is not None and all(p is not c.chunk_plan for p in self.plans):
+                self.plans.append(c.chunk_plan)
         if not self.return_norms and not self.return_losses:
             return out[0]
         return out
@@ -313,7 +315,7 @@ def clipped_grad(
     """
     if not callable(loss_fn):
         raise ValueError(f"clipped_grad: loss_fn must be callable, got {loss_fn!r}")
-    C = _clipping_norm(clipping_norm)
+    C = check_clipping_norm(clipping_norm)
     argnums_t = _argnums(argnums, "argnums")
     batch_t = _argnums(batch_argnums, "batch_argnums")
     overlap = set(argnums_t) & set(batch_t)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .clipping import _clipping_norm
+from .clipping import check_clipping_norm
 
 __all__ = ["add_noise"]
 
@@ -28,7 +28,7 @@ def add_noise(grads: Any, noise_multiplier: float, clipping_norm: float,
     if (isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real)
             or not math.isfinite(noise_multiplier) or noise_multiplier < 0):
         raise ValueError(f"add_noise: noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
-    C = _clipping_norm(clipping_norm, "add_noise")
+    C = check_clipping_norm(clipping_norm, "add_noise")
     if not math.isfinite(C):
         raise ValueError("add_noise: clipping_norm must be finite (the noise scale is noise_multiplier * clipping_norm)")
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -15,13 +15,14 @@ from typing import Callable, Mapping
 import sympy
 import torch.fx as fx
 
+from .inplace import WRITES_INTO_FIRST
 from .scratch import scratch_bytes
 from .sizes import SymbolicSizes
 
 
 def is_alias(node: fx.Node) -> bool:
     """Shares its first input's storage: a view, a getitem, or an in-place op."""
-    if node.target is operator.getitem or getattr(node.target, "_fxmem_writes_first", False):
+    if node.target is operator.getitem or node.target in WRITES_INTO_FIRST:
         return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import sympy
 import torch.fx as fx
 
-from .sizes import _dim
+from .sizes import dim_expr
 
 
 def _arguments(node: fx.Node) -> dict[str, Any]:
@@ -22,12 +22,12 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
 
 
 def _linear_cross_entropy(node: fx.Node) -> sympy.Expr:
-    from fxmem_kernels.linear_cross_entropy import _row_bytes
+    from fxmem_kernels.linear_cross_entropy import row_bytes
 
     a = _arguments(node)
     h, w, t = (a[k].meta["val"] for k in ("hidden", "weight", "target"))
-    row = _row_bytes(int(w.shape[0]), h.dtype, a["softcap"], h.is_cuda and a["impl"] != "torch")
-    rows = sympy.Mul(*[_dim(d) for d in t.shape], sympy.Integer(1))
+    row = row_bytes(int(w.shape[0]), h.dtype, a["softcap"], h.is_cuda and a["impl"] != "torch")
+    rows = sympy.Mul(*[dim_expr(d) for d in t.shape], sympy.Integer(1))
     return sympy.Min(rows, max(1, a["workspace_bytes"] // row)) * row
 
 

@@ -26,14 +26,14 @@ def readable(source_name: str) -> str:
     return f"{m.group(1)}.size({m.group(2)})" if m else source_name
 
 
-def _dim(d) -> sympy.Expr:
+def dim_expr(d) -> sympy.Expr:
     return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
 
 
 def tensor_bytes(val) -> sympy.Expr:
     """Bytes of a (fake) tensor, a tuple of tensors, or 0 for anything else."""
     if isinstance(val, torch.Tensor):
-        return sympy.Mul(*[_dim(d) for d in val.shape], sympy.Integer(val.element_size()))
+        return sympy.Mul(*[dim_expr(d) for d in val.shape], sympy.Integer(val.element_size()))
     if isinstance(val, (tuple, list)):
         return sympy.Add(*[tensor_bytes(v) for v in val], sympy.Integer(0))
     return sympy.Integer(0)
@@ -109,4 +109,4 @@ class SymbolicSizes:
         return str(expr.xreplace({s: sympy.Symbol(n) for s, n in self.names.items()}))
 
     def shape_at(self, val) -> tuple[int, ...]:
-        return tuple(self.at(_dim(d)) for d in val.shape)
+        return tuple(self.at(dim_expr(d)) for d in val.shape)

@@ -1,9 +1,8 @@
 """Pattern lowering: find the patterns of :data:`patterns.PATTERNS` in a Dynamo graph and replace
 each by a call of a fused ``fxmem_kernels`` kernel, before AOTAutograd differentiates the graph.
 
-    gm, lowered = lower(gm, example_inputs, options)   # in backend._compile, before AOTAutograd
-    ...
-    lowered.attach(partitioner)                         # the rows go into the memory report
+    gm, lowered = lower(gm, example_inputs, options)   # in the backend, before AOTAutograd
+    ...                                                 # lowered.rows(): the report's lowering rows
 
 ``options.lowering``: True (every pattern), False (none; the default, see fxmem/options.py for
 why), or a dict pattern -> bool in which patterns not named stay on. ``lower`` works on a copy:
@@ -42,10 +41,8 @@ custom ``torch.autograd.Function`` in the user's code is left alone. One Functio
 implementation (AOTAutograd cannot trace it: its target check reads a value), so inside vmap
 regions the loss goes through per-token losses and :class:`functions._RowsLCEBackward`.
 
-Where it runs: ``backend._compile``, i.e. every graph compiled without per-example chunking. A
-vmap region that ``fxmem.per_example`` compiles itself (``microbatch_size`` set, or
-``ghost_clipping`` on, the default) goes through ``per_example.remat.compile_chunk``, which does
-not call :func:`lower` yet.
+Where it runs: on every graph the backend compiles, whole graphs and the chunk graphs of a
+per-example region (``microbatch_size`` set, or ``ghost_clipping`` on, the default) alike.
 
 The logits: an HF causal LM returns its logits as well as the loss. The loss is lowered anyway;
 the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for the output, and
@@ -71,7 +68,7 @@ from .match import arg
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
 
-__all__ = ["PATTERNS", "UNPLANNED", "Pattern", "Lowered", "Lowering", "lower", "enabled"]
+__all__ = ["PATTERNS", "Pattern", "Lowered", "Lowering", "lower", "enabled"]
 
 log = logging.getLogger("fxmem")
 _KEEP_META = ("example_value", "stack_trace", "nn_module_stack")
@@ -93,7 +90,6 @@ class Lowering:
     alone (with why)."""
     lowered: list[Lowered] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (pattern, node, reason)
-    input_ids: frozenset = frozenset()  # ids of the graph's example inputs (links reports to models)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -120,28 +116,6 @@ class Lowering:
 
     def notes(self) -> list[str]:
         return [f"left alone: {pattern} at {node}: {why}" for pattern, node, why in self.skipped]
-
-    def attach(self, partitioner: Any) -> None:
-        """Put the rows into the reports of the graphs ``partitioner`` planned (AOTAutograd calls
-        it while compiling, so after the compile each of its records holds this graph's plan);
-        a graph without a backward is never planned: its lowerings go to :data:`UNPLANNED`."""
-        if not self.lowered and not self.skipped:
-            return
-        self.input_ids = partitioner.input_ids
-        if not partitioner.records:
-            UNPLANNED.append(self)
-        for rec in partitioner.records:
-            rec.report.lowerings[:] = self.rows()
-            rec.report.lowering_notes[:] = self.notes()
-            path = partitioner.options.report_path
-            if path:  # rewrite the JSON the partitioner wrote, now with the lowering rows
-                from ..report.model import MemoryReport, report_json_path
-
-                MemoryReport([rec.report]).to_json(report_json_path(path, rec.report.index))
-
-
-# Lowerings of graphs AOTAutograd compiled without a backward (nothing planned), oldest first.
-UNPLANNED: list[Lowering] = []
 
 
 def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx.GraphModule, Lowering]:

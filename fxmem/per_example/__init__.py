@@ -9,37 +9,36 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..inputs import Inputs
 from ..options import OptionError
-from .chunk import split
+from .chunk import split_region
+from .flat import Ghost, plan_flat
 from .regions import Unsupported, find_regions
 from .run import ChunkedStep, ChunkPlan
 
-__all__ = ["PLANS", "ChunkPlan", "Unsupported", "compile_chunked"]
+__all__ = ["ChunkPlan", "Ghost", "Unsupported", "compile_chunked", "plan_flat"]
 
 log = logging.getLogger("fxmem")
 
-# Every decision the pass made, oldest first (what reports and dpsgd.clipped_grad read).
-PLANS: list[ChunkPlan] = []
-
 
 def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_chunk: Callable,
-                    measure_chunk: Callable | None = None) -> Callable | None:
-    """A chunked runner for ``gm``, or None when there is nothing to chunk. When the graph
-    cannot be proven chunkable it warns with the reason and returns None (unchunked, correct),
-    or raises under ``strict``. With ``microbatch_size`` unset the whole batch is one chunk when
-    ``ghost_clipping`` is on (so the ghost rewrite applies), and an unprovable graph is left
-    alone quietly: nobody asked for chunking."""
+                    decided: Callable[[ChunkPlan], None]) -> Callable | None:
+    """A chunked runner for ``gm``, or None when there is nothing to chunk. ``decided`` receives
+    the plan whenever the graph has a vmap region (chunked or not: the plan says why). When the
+    graph cannot be proven chunkable it warns with the reason and returns None (unchunked,
+    correct), or raises under ``strict``. With ``microbatch_size`` unset the whole batch is one
+    chunk when ``ghost_clipping`` is on (so the ghost rewrite applies), and an unprovable graph
+    is left alone quietly: nobody asked for chunking. ``compile_chunk(gm, inputs, measure=False)``
+    compiles the chunk graphs (see :class:`ChunkedStep`)."""
     whole_batch = options.microbatch_size is None
     if whole_batch and not options.ghost_clipping:
         return None
-    plan = ChunkPlan(0, requested=options.microbatch_size,
-                     input_ids=Inputs(example_inputs))
+    regions = None
+    plan = ChunkPlan(0, requested=options.microbatch_size)
     try:
         regions = find_regions(gm.graph)
         if not regions:
             return None
-        PLANS.append(plan)
+        decided(plan)
         batch = regions[0].batch_size
         plan.batch_size = batch if isinstance(batch, int) else _hint(batch)
         if len(regions) > 1:
@@ -56,20 +55,20 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
         elif not whole_batch:
             plan.microbatch_size = options.microbatch_size
         plan.whole_batch = whole_batch
-        parts = split(gm, regions[0])
+        parts = split_region(gm, regions[0])
         plan.fused_sums = parts.fused_sums
     except Unsupported as e:
         if options.strict:
             raise
-        if plan not in PLANS:
-            PLANS.append(plan)
+        if not regions:
+            decided(plan)
         plan.reason = str(e)
         if whole_batch:
             log.debug("fxmem per-example: no ghost clipping for this graph: %s", e)
         else:
             warnings.warn(f"fxmem per-example: not chunking this graph: {e}", stacklevel=2)
         return None
-    return ChunkedStep(parts, plan, compile_chunk, measure_chunk)
+    return ChunkedStep(parts, plan, compile_chunk)
 
 
 def _hint(node: fx.Node) -> int:

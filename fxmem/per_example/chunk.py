@@ -18,12 +18,19 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .epilogue import OUTER, REDUCED, Batched, Epilogue, _nodes
+from .epilogue import OUTER, REDUCED, Batched, Epilogue, arg_nodes
 from .regions import REMOVE_BATCH_DIM, Region
 
 
+@dataclass(frozen=True)
+class ChunkGraph:
+    """The chunk graph for m examples, and how many global norms it takes without a concat."""
+    gm: fx.GraphModule
+    fused_norms: int
+
+
 @dataclass
-class Split:
+class RegionSplit:
     """The three graphs and how values flow between them (node names of the original graph)."""
     region: Region
     outer: fx.GraphModule
@@ -36,7 +43,7 @@ class Split:
     rest_inputs: list[str]
     rest_outputs: list[str]
     output_spec: Any                              # the graph's output structure over names
-    make_chunk: Callable[[int], fx.GraphModule] = field(repr=False, default=None)
+    make_chunk: Callable[[int], "ChunkGraph"] = field(repr=False, default=None)
     fused_sums: int = 0                           # clip-weighted batch sums done as matvecs
 
 
@@ -45,7 +52,7 @@ def _gm(owner: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     return fx.GraphModule(owner, graph)
 
 
-def split(gm: fx.GraphModule, region: Region) -> Split:
+def split_region(gm: fx.GraphModule, region: Region) -> RegionSplit:
     epi = Epilogue(gm.graph, region)
     kinds = epi.kinds
     inside = set(region.nodes)
@@ -57,9 +64,9 @@ def split(gm: fx.GraphModule, region: Region) -> Split:
     outer_part = [n for n in gm.graph.nodes if kinds.get(n) == OUTER and n not in inside]
 
     def reads(nodes):
-        return [a for n in nodes for a in _nodes((n.args, n.kwargs))]
+        return [a for n in nodes for a in arg_nodes((n.args, n.kwargs))]
 
-    out_refs = _nodes(output_node.args)
+    out_refs = arg_nodes(output_node.args)
     needed_outer = list(dict.fromkeys(a for a in reads(chunk_part) + reads(rest_part) + out_refs
                                       if kinds.get(a) == OUTER and a not in inside))
     # -- outer ---------------------------------------------------------------------------------
@@ -75,14 +82,14 @@ def split(gm: fx.GraphModule, region: Region) -> Split:
         return (a.name, region.batched[n]) if n in region.batched and a is n.args[0] else (a.name, None)
 
     chunk_inputs = list(dict.fromkeys(slot(n, a) for n in chunk_part
-                                      for a in _nodes((n.args, n.kwargs)) if a not in chunk_set))
+                                      for a in arg_nodes((n.args, n.kwargs)) if a not in chunk_set))
     batched_outputs = [n for n in chunk_part if isinstance(kinds.get(n), Batched)
                        and any(u is output_node for u in n.users)]
     batch_args = set(epi.batch_shape_args)
     fused = {p: f for p in epi.partials if (f := _weighted_sum(p, kinds)) is not None}
     skipped = {p.args[0] for p in fused}
 
-    def make_chunk(m: int) -> fx.GraphModule:
+    def make_chunk(m: int) -> ChunkGraph:
         g, env = fx.Graph(), {}
         slots = {key: g.placeholder(f"{key[0]}_chunk" if key[1] is not None else key[0])
                  for key in chunk_inputs}
@@ -102,9 +109,7 @@ def split(gm: fx.GraphModule, region: Region) -> Split:
             env[n] = new
         g.output(tuple(env[p] for p in epi.partials) + tuple(env[n] for n in batched_outputs))
         fused_norms = _split_cat_norms(g)
-        out = _gm(gm, g)
-        out.fused_norms = fused_norms
-        return out
+        return ChunkGraph(_gm(gm, g), fused_norms)
 
     by_name = {n.name: n for n in gm.graph.nodes}
     # -- rest ----------------------------------------------------------------------------------
@@ -121,7 +126,7 @@ def split(gm: fx.GraphModule, region: Region) -> Split:
     rest = _gm(gm, g)
 
     spec = fx.node.map_arg(output_node.args[0], lambda n: n.name)
-    return Split(region, outer, [n.name for n in needed_outer], chunk_inputs,
+    return RegionSplit(region, outer, [n.name for n in needed_outer], chunk_inputs,
                  [p.name for p in epi.partials],
                  [p.meta["example_value"].dtype for p in epi.partials], [(n.name, kinds[n].dim) for n in batched_outputs],
                  rest, rest_inputs, rest_outputs, spec, make_chunk, len(fused))

@@ -59,7 +59,7 @@ def _is_batch(size, batch) -> bool:
     return isinstance(size, int) and size == batch
 
 
-def _nodes(args) -> list[fx.Node]:
+def arg_nodes(args) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(args, out.append)
     return out
@@ -106,9 +106,9 @@ class Epilogue:
             self.kinds[node] = self._classify(node)
 
     def _classify(self, node: fx.Node):
-        kinds = [self.kinds.get(a, OUTER) for a in _nodes((node.args, node.kwargs))]
+        kinds = [self.kinds.get(a, OUTER) for a in arg_nodes((node.args, node.kwargs))]
         if any(a in self.region.nodes and a not in self.region.outputs
-               for a in _nodes((node.args, node.kwargs))):
+               for a in arg_nodes((node.args, node.kwargs))):
             raise Unsupported(f"{node.format_node()} reads a value from inside the vmap region")
         batched = [k for k in kinds if isinstance(k, Batched)]
         if not batched:
@@ -129,7 +129,7 @@ class Epilogue:
         if out is None:
             raise Unsupported(f"no shape known for {node.format_node()}")
         dims = set()
-        for a in _nodes((node.args, node.kwargs)):
+        for a in arg_nodes((node.args, node.kwargs)):
             shape, kind = _shape(a), self.kinds.get(a, OUTER)
             if shape is None:
                 continue
@@ -143,7 +143,7 @@ class Epilogue:
             raise Unsupported(f"{node.format_node()} combines per-example values whose batch dims "
                               "do not line up")
         (d,) = batch_dims
-        for a in _nodes((node.args, node.kwargs)):
+        for a in arg_nodes((node.args, node.kwargs)):
             shape, kind = _shape(a), self.kinds.get(a, OUTER)
             if shape is None or isinstance(kind, Batched):
                 continue
@@ -153,7 +153,7 @@ class Epilogue:
         return Batched(d)
 
     def _reduce(self, node: fx.Node, name: str):
-        (src,) = [a for a in _nodes(node.args[:1])]
+        (src,) = [a for a in arg_nodes(node.args[:1])]
         d = self.kinds[src].dim
         shape = _shape(src)
         dim = node.kwargs.get("dim", node.args[2] if name == "norm" and len(node.args) > 2 else

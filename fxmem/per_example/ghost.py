@@ -568,7 +568,7 @@ class Guarded:
     chunk with the materialized per-example gradients (compiled on first need)."""
 
     def __init__(self, fn: Callable, decisions: list[Decision], recompile: Callable[[list], Callable]):
-        self.fn, self.ghost_decisions, self._recompile = fn, decisions, recompile
+        self.fn, self.decisions, self._recompile = fn, decisions, recompile
         self._fallback: Callable | None = None
         self.fallbacks = 0
 
@@ -587,7 +587,7 @@ class Guarded:
 
 
 class Pass:
-    """The hook ``compile_chunk`` calls: ``Pass(options, chunk_gm)(flat_gm)`` rewrites the flat
+    """The hook the chunk compile calls: ``Pass(options, chunk_gm)(flat_gm)`` rewrites the flat
     graph (a no-op when ``options.ghost_clipping`` is off) and keeps the decisions;
     ``guard(fn, recompile)`` wraps the compiled chunk when anything was rewritten."""
 
@@ -615,10 +615,5 @@ class Pass:
 
     def guard(self, fn: Callable, recompile: Callable[[list], Callable]) -> Callable:
         if not any(d.choice == "ghost" for d in self.decisions):
-            if self.decisions:
-                try:
-                    fn.ghost_decisions = self.decisions
-                except AttributeError:
-                    pass
             return fn
         return Guarded(fn, self.decisions, recompile)

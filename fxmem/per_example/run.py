@@ -11,9 +11,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..inputs import Inputs
 from ..profiling import step_perf
-from .chunk import Split
+from .chunk import RegionSplit
 
 log = logging.getLogger("fxmem")
 
@@ -24,7 +23,7 @@ class _Ref(str):
 
 @dataclass
 class ChunkPlan:
-    """What the per-example pass decided for one graph (``fxmem.per_example.PLANS``)."""
+    """What the per-example pass decided for one graph (``Compilation.chunk_plan``)."""
     batch_size: int
     microbatch_size: int | None = None
     requested: Any = None                      # the microbatch_size option
@@ -36,8 +35,6 @@ class ChunkPlan:
     reason: str | None = None                  # why the graph was not chunked
     whole_batch: bool = False                  # microbatch_size unset: one chunk (for ghost clipping)
     ghost: list = field(default_factory=list)  # ghost.Decision per per-example weight gradient
-
-    input_ids: Inputs = field(default_factory=Inputs, repr=False)  # weak: see fxmem/inputs.py
 
     @property
     def chunked(self) -> bool:
@@ -83,24 +80,26 @@ def _signature(inputs: list) -> tuple:
 
 
 class ChunkedStep:
-    def __init__(self, split: Split, plan: ChunkPlan, compile_chunk: Callable,
-                 measure_chunk: Callable | None = None):
+    """The chunked step. ``compile_chunk(gm, inputs, measure=False)`` compiles a chunk graph
+    (``measure=True``: for measuring its peak while choosing the size, with the eager inner
+    compiler)."""
+
+    def __init__(self, split: RegionSplit, plan: ChunkPlan, compile_chunk: Callable):
         self.split, self.plan = split, plan
-        self._compile, self._measure_compile = compile_chunk, measure_chunk or compile_chunk
+        self._compile = compile_chunk
         self._compiled: dict[int, Callable] = {}
         self._spec = fx.node.map_aggregate(split.output_spec,
                                            lambda x: _Ref(x) if isinstance(x, str) else x)
 
-    def _chunk_fn(self, m: int, inputs: list, compile_fn=None) -> Callable:
+    def _chunk_fn(self, m: int, inputs: list, measure: bool = False) -> Callable:
         key = (m, *_signature(inputs))  # a chunk graph is compiled for static shapes
-        if compile_fn is None and key in self._compiled:
+        if not measure and key in self._compiled:
             return self._compiled[key]
         log.debug("fxmem per-example: compiling the chunk graph for %d examples", m)
-        gm = self.split.make_chunk(m)
-        self.plan.fused_norms = gm.fused_norms
-        fn = (compile_fn or self._compile)(gm, inputs)
-        self.plan.ghost = getattr(fn, "ghost_decisions", self.plan.ghost)  # what ghost.py decided
-        if compile_fn is None:
+        chunk = self.split.make_chunk(m)
+        self.plan.fused_norms = chunk.fused_norms
+        fn = self._compile(chunk.gm, inputs, measure=measure)
+        if not measure:
             self._compiled[key] = fn
         return fn
 
@@ -108,13 +107,13 @@ class ChunkedStep:
         return [env[name].narrow(dim, start, size) if dim is not None else env[name]
                 for name, dim in self.split.chunk_inputs]
 
-    def _step_peak(self, env: dict, m: int, compile_fn) -> int:
+    def _step_peak(self, env: dict, m: int) -> int:
         """Exact peak of a whole step with chunk size m (above what is live at entry)."""
-        fn = self._chunk_fn(m, self._inputs(env, 0, m), compile_fn)
+        fn = self._chunk_fn(m, self._inputs(env, 0, m), measure=True)
         fn(*self._inputs(env, 0, m))  # warm-up: first-call allocations are not the step's
         with step_perf(self._device(env)) as perf:
             out = self._loop(env, m, lambda size, ins: fn(*ins) if size == m else
-                             self._chunk_fn(size, ins, compile_fn)(*ins))
+                             self._chunk_fn(size, ins, measure=True)(*ins))
         del out
         return perf.result.peak_bytes
 
@@ -134,7 +133,7 @@ class ChunkedStep:
 
         def measure(m: int) -> int:
             if m not in plan.measured:
-                plan.measured[m] = self._step_peak(env, m, self._measure_compile)
+                plan.measured[m] = self._step_peak(env, m)
             return plan.measured[m]
 
         plan.predicted_peak = lambda m: _interpolate(plan.measured, m)

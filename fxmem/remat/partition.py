@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
-from dataclasses import dataclass
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,37 +13,27 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..graph.joint import JointGraph
 from ..graph.sizes import SymbolicSizes
-from ..inner import reuse_dead_buffers
+from ..compilation import PlannedGraph
 from ..fallback import stage_failed
-from ..inputs import Inputs
+from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
-from .plan import Plan, plan
-from .split import Split, split
+from .plan import plan
+from .split import split
 
 log = logging.getLogger("fxmem")
-_GRAPH_INDEX = itertools.count()
-
-
-@dataclass(frozen=True)
-class Record:
-    plan: Plan
-    split: Split
-    sizes: SymbolicSizes
-    report: Any  # fxmem.report.GraphReport
-    input_ids: Inputs
 
 
 class Partitioner(CustomPartitionerFn):
     """AOTAutograd ``partition_fn`` and Inductor ``custom_partitioner_fn`` in one object.
 
-    Keeps every plan and split it made (latest last) for reports and tests.
+    One per compile: ``planned`` holds each graph it planned and split, in order; the backend
+    builds their reports and files them on the compile's record.
     """
 
-    def __init__(self, options: Options, input_ids: Inputs | None = None):
+    def __init__(self, options: Options):
         self.options = options
-        self.input_ids = input_ids or Inputs()  # ids of the Dynamo graph's example inputs: links reports to models
-        self.records: list[Record] = []
+        self.planned: list[PlannedGraph] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         joint = JointGraph.of(gm, num_fwd_outputs)
@@ -68,7 +56,7 @@ class Partitioner(CustomPartitionerFn):
         if self.options.inner == "eager":  # what the eager inner compiler will run: report exactly that
             reuse_dead_buffers(result.fw)
             reuse_dead_buffers(result.bw)
-        self._record(chosen, result, sizes, joint.input_names())
+        self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names())))
         return result.fw, result.bw
 
     @staticmethod
@@ -77,42 +65,12 @@ class Partitioner(CustomPartitionerFn):
         result = split(joint, joint.default_saved())
         return result.fw, result.bw
 
-    def _record(self, chosen: Plan, result: Split, sizes: SymbolicSizes, primal_names: set[str]) -> None:
-        from ..report.model import build
-        from ..report.render import table
-
-        index = next(_GRAPH_INDEX)
-        rep = build(index, self.options.key(), chosen, result, sizes, primal_names)
-        self.records.append(Record(chosen, result, sizes, rep, self.input_ids))
-        level = logging.INFO if self.options.report else logging.DEBUG
-        if log.isEnabledFor(level):  # the table evaluates the peak: only when someone reads it
-            log.log(level, "%s", table(rep))
-        if self.options.report_path:
-            from ..report.model import MemoryReport
-
-            path = self.options.report_path
-            path = f"{path[:-5]}.{index}.json" if path.endswith(".json") else f"{path}.{index}.json"
-            MemoryReport([rep]).to_json(path)
-            log.info("fxmem: wrote the report of graph %d to %s", index, path)
-
-    @property
-    def plans(self) -> list[Plan]:
-        return [r.plan for r in self.records]
-
-    @property
-    def splits(self) -> list[Split]:
-        return [r.split for r in self.records]
-
-    @property
-    def sizes(self) -> list[SymbolicSizes]:
-        return [r.sizes for r in self.records]
-
     def __deepcopy__(self, memo: dict) -> "Partitioner":
         # Inductor deep-copies its config (us included) to hash it; the splits hold fake tensors.
         return self
 
     def __reduce__(self):
-        # Inductor pickles its config (us included) into its cache keys; the records hold fx
+        # Inductor pickles its config (us included) into its cache keys; the plans hold fx
         # graphs, whose cycles make every compile bypass the cache. The uuid is what we are there.
         return str, (self.uuid(),)
 
@@ -124,7 +82,7 @@ class Partitioner(CustomPartitionerFn):
 
 @functools.cache  # the code this process runs: read once
 def _source_key() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     h = hashlib.sha256(__version__.encode())
     root = Path(__file__).resolve().parents[2]

@@ -9,33 +9,25 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..compilation import compilations
 from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
+from .publish import publish
 
-__all__ = ["ClusterRow", "GraphReport", "LoweringRow", "MemoryReport", "report", "explain"]
+__all__ = ["ClusterRow", "GraphReport", "LoweringRow", "MemoryReport", "explain", "publish", "report"]
 
 
 def report(compiled: Any = None) -> MemoryReport:
-    """The report of every graph fxmem compiled for ``compiled`` (a ``torch.compile``d module,
-    or the module itself); with no argument, of every graph compiled in this process."""
+    """The report of every graph fxmem compiled for ``compiled`` (a ``torch.compile``d module or
+    function, or the module itself), oldest first; with no argument, of every graph of every live
+    compile in this process. See :func:`fxmem.compilations` for how graphs are found."""
     from dataclasses import asdict
 
-    from ..backend import COMPILES
-    from ..lowering import UNPLANNED
-    from ..per_example import PLANS
-
-    records = [r for p in COMPILES for r in p.records]
-    chunk_plans = list(PLANS)
-    unplanned = list(UNPLANNED)
-    if compiled is not None:
-        module = getattr(compiled, "_orig_mod", compiled)
-        params = getattr(module, "parameters", None)
-        ids = {id(t) for t in params()} if callable(params) else set()
-        records = [r for r in records if r.input_ids & ids] if ids else records
-        chunk_plans = [p for p in chunk_plans if p.input_ids & ids] if ids else chunk_plans
-        unplanned = [u for u in unplanned if u.input_ids & ids] if ids else unplanned
-    return MemoryReport([r.report for r in records], [r.plan for r in records],
-                        [p.summary() for p in chunk_plans],
-                        [{"rows": [asdict(r) for r in u.rows()], "notes": u.notes()} for u in unplanned])
+    comps = compilations(compiled)
+    graphs = [g for c in comps for g in c.graphs if g.report is not None]
+    return MemoryReport([g.report for g in graphs], [g.plan for g in graphs],
+                        [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
+                        [{"rows": [asdict(r) for r in u.rows()], "notes": u.notes()}
+                         for c in comps for u in c.unplanned_lowerings])
 
 
 def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) -> MemoryReport:

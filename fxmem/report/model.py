@@ -63,6 +63,7 @@ class GraphReport:
     level0_bytes: int = 0  # what level 0 without rules or budget keeps
     lowerings: list[LoweringRow] = field(default_factory=list)  # patterns lowered to fused kernels
     lowering_notes: list[str] = field(default_factory=list)  # patterns found but left alone, and why
+    compile_id: str = ""  # Dynamo's compile ("0/1") this graph came from; index counts within it
 
     def values_at(self, **shapes: Any) -> dict[str, int]:
         """Symbol values for shapes given by input name: ``input_ids=(64, 2048)``, or by symbol."""
@@ -219,13 +220,17 @@ class MemoryReport:
         return plot(g, path)
 
 
-def report_json_path(path: str, index: int) -> str:
-    """Where graph ``index``'s report goes for ``options.report_path = path``."""
-    return f"{path[:-5]}.{index}.json" if path.endswith(".json") else f"{path}.{index}.json"
+def report_json_path(path: str, g: GraphReport) -> str:
+    """Where graph ``g``'s report goes for ``options.report_path = path``: ``r.json`` gives
+    ``r.<compile>.<index>.json`` (compile ``0/1`` written ``0_1``)."""
+    stem = path[:-5] if path.endswith(".json") else path
+    tag = f"{g.compile_id.replace('/', '_')}." if g.compile_id else ""
+    return f"{stem}.{tag}{g.index}.json"
 
 
-def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str]) -> GraphReport:
-    """A GraphReport from a live plan, its split and its sizes."""
+def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str], *,
+          lowerings: list[LoweringRow] = (), lowering_notes: list[str] = (), compile_id: str = "") -> GraphReport:
+    """A GraphReport from a live plan, its split and its sizes, and the graph's lowering rows."""
     saved_names = {n.name for n in split.saved}
     inputs = plan.problem.joint.input_names() if plan.problem is not None else set()
 
@@ -255,4 +260,5 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         clusters=rows, applied_rules=[list(r) for r in plan.applied_rules], notes=list(plan.notes),
         forward=[[k, n, str(e)] for k, n, e in fw], backward=[[k, n, str(e)] for k, n, e in bw],
         chosen_lambda=plan.lam, plain_bytes=plan.plain_bytes, level0_bytes=plan.level0_bytes,
+        lowerings=list(lowerings), lowering_notes=list(lowering_notes), compile_id=compile_id,
     )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .model import GraphReport, LoweringRow
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # model.py renders with these functions
+    from .model import GraphReport, LoweringRow
 
 
 def _mb(b: float) -> str:
@@ -22,7 +25,8 @@ def _largest(b: dict, n: int = 4) -> str:
 
 def table(g: GraphReport) -> str:
     w = max([len(_short(r.config)) for r in g.clusters] + [len("config")])
-    lines = [f"fxmem memory plan: graph {g.index}, level {g.level}",
+    where = f" (compile {g.compile_id})" if g.compile_id else ""
+    lines = [f"fxmem memory plan: graph {g.index}, level {g.level}{where}",
              f"{'config':{w}s}  on   freq  saving (bytes)   saving per occurrence (formula)"]
     for r in g.clusters:
         lines.append(f"{_short(r.config):{w}s}  {'on ' if r.enabled else 'off'}  {r.frequency:4d}  "

@@ -53,7 +53,7 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
     model class would otherwise hit Dynamo's recompile limit and silently run eagerly). Also checks the report's claim: the saved bytes each plan
     predicts (its formula evaluated at this run's shape) equal the bytes autograd actually held
     between forward and backward. ``options`` default to the eager inner compiler (fast)."""
-    from ..backend import COMPILES
+    from ..compilation import compilations
 
     options = {"inner": "eager", **dict(options or {})}
     ref_model, test_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -66,7 +66,6 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
 
     if reset:
         torch._dynamo.reset()
-    before = len(COMPILES)
     compiled = torch.compile(test_model, backend="fxmem", options=options, dynamic=dynamic)
     keep = {t.untyped_storage().data_ptr() for t in [*test_model.parameters(), *test_model.buffers()]}
     keep |= {t.untyped_storage().data_ptr() for t in inputs.values() if isinstance(t, torch.Tensor)}
@@ -95,10 +94,11 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
             torch.testing.assert_close(g, r, rtol=rtol, atol=atol,
                                        msg=lambda m, name=name: f"fxmem changed the gradient of {name}: {m}")
             worst = max(worst, _rel(g, r))
-    records = [r for p in COMPILES[before:] for r in p.records]  # none for a graph that fell back
-    if len(COMPILES) == before and not reset and COMPILES:
-        records = list(COMPILES[-1].records)  # a cached (e.g. dynamic-shape) graph served this call
-    elif len(COMPILES) == before:
+    comps = compilations(compiled)
+    ids = {id(p) for p in test_model.parameters()}
+    comps = [c for c in comps if c.inputs & ids] or comps[-1:]  # else a cached graph served this call
+    records = [g for c in comps for g in c.graphs]  # none for a graph that fell back
+    if not comps:
         raise AssertionError("fxmem compiled no training graph for this model (Dynamo fell back to "
                              "eager: recompile limit, or a graph break before any tensor op?)")
     check = StepCheck(loss.item(), worst, graphs=len(records))

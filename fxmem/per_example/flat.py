@@ -1,4 +1,4 @@
-"""The recompute planner inside a per-example chunk graph.
+"""The recompute planner inside a flat per-example chunk graph.
 
 After AOTAutograd a ``vmap(grad(loss))`` region is one flat forward-only graph: the inner
 forward, the gradient seed ``ones_like(loss)``, then the inner backward as explicit aten ops.
@@ -10,14 +10,16 @@ the loss in the joined graph, so the values are the same whichever ``ones_like``
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..inputs import Inputs
-from ..options import Options
 from ..remat.partition import Partitioner
 from .ghost import Pass as Ghost
+
+__all__ = ["Ghost", "find_seed", "plan_flat"]
 
 aten = torch.ops.aten
 
@@ -40,10 +42,10 @@ def find_seed(gm: fx.GraphModule) -> fx.Node | None:
     return None
 
 
-def _as_joint(gm: fx.GraphModule, seed: fx.Node) -> tuple[fx.GraphModule, int, list[tuple[str, int]]]:
+def _as_joint(gm: fx.GraphModule, seed: fx.Node) -> tuple[fx.GraphModule, int, list[tuple[str, int]], Any]:
     """A joint-graph copy: ``seed`` becomes the tangent, outputs are (loss, forward outputs...,
-    backward outputs...). Returns it, the number of forward outputs, and where each original
-    output went (("fwd" | "bwd", index))."""
+    backward outputs...). Returns it, the number of forward outputs, where each original
+    output went (("fwd" | "bwd", index)) and the original outputs' structure."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -69,9 +71,7 @@ def _as_joint(gm: fx.GraphModule, seed: fx.Node) -> tuple[fx.GraphModule, int, l
             fwd.append(env[o] if isinstance(o, fx.Node) else o)
     g.output(tuple(fwd + bwd))
     g.lint()
-    joint = fx.GraphModule(gm, g)
-    joint._fxmem_out_spec = spec
-    return joint, len(fwd), where
+    return fx.GraphModule(gm, g), len(fwd), where, spec
 
 
 def _join(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd: int, n_tensors: int, where, spec) -> fx.GraphModule:
@@ -100,51 +100,18 @@ def _join(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd: int, n_tensors: int, 
     return fx.GraphModule(fw, g)
 
 
-def plan_flat(gm: fx.GraphModule, options: Options, input_ids: Inputs | None = None) -> fx.GraphModule:
-    """``gm`` with fxmem's recompute plan applied to its inner forward/backward, or ``gm`` itself
-    when it has no gradient seed."""
+def plan_flat(gm: fx.GraphModule, partitioner: Partitioner) -> fx.GraphModule:
+    """``gm`` with ``partitioner``'s recompute plan applied to its inner forward/backward, or
+    ``gm`` itself when it has no gradient seed."""
     seed = find_seed(gm)
     if seed is None:
         return gm
-    joint, num_fwd, where = _as_joint(gm, seed)
-    partitioner = Partitioner(options, input_ids)
+    joint, num_fwd, where, spec = _as_joint(gm, seed)
     fw, bw = partitioner(joint, None, num_fwd_outputs=num_fwd)
-    from ..backend import COMPILES
-
-    COMPILES.append(partitioner)
-    split = partitioner.records[-1].split
-    return _join(fw, bw, num_fwd, len(split.saved), where, joint._fxmem_out_spec)
+    return _join(fw, bw, num_fwd, _saved_tensors(fw, num_fwd), where, spec)
 
 
-def compile_chunk(gm: fx.GraphModule, example_inputs: list, options: Options):
-    """AOTAutograd + the inner compiler for a chunk graph, with :func:`plan_flat` applied to
-    the flat graph first. The chunk runs without an outer backward (inference). In a chunked
-    graph ``memory_budget`` caps the whole step (it chooses the microbatch size), so the inner
-    planner gets the level and rules only. Under ``ghost_clipping`` ghost.py rewrites the flat
-    graph before the planner (and before Inductor's decompositions)."""
-    from dataclasses import replace
-
-    from torch._dynamo.backends.common import aot_autograd
-
-    from .. import inner
-
-    options = replace(options, memory_budget=None)
-    ids = Inputs(example_inputs)  # weak: a freed chunk's ids must not match a later model
-    ghost = Ghost(options, gm)  # ghost norms + book-keeping on the flat graph (ghost.py)
-    materialized = lambda ins: compile_chunk(gm, ins, replace(options, ghost_clipping=False))  # noqa: E731
-    if options.inner == "eager":
-        def fw(g, ins):
-            return inner.eager(plan_flat(ghost(g), options, ids), ins)
-
-        return ghost.guard(aot_autograd(fw_compiler=fw, bw_compiler=inner.eager)(gm, example_inputs), materialized)
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner_compile(g, ins, **kwargs):
-        return compile_fx_inner(plan_flat(g, options, ids), ins, **kwargs)
-
-    if ghost.enabled:  # rewrite before Inductor's decompositions, then compile the result
-        from functorch.compile import make_boxed_func
-
-        return ghost.guard(aot_autograd(fw_compiler=lambda g, ins: make_boxed_func(compile_fx(
-            ghost(g), ins, inner_compile=inner_compile)), bw_compiler=inner.eager)(gm, example_inputs), materialized)
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+def _saved_tensors(fw: fx.GraphModule, num_fwd: int) -> int:
+    """How many saved tensors ``fw`` returns after its ``num_fwd`` outputs (then SymInts)."""
+    saved = fw.graph.output_node().args[0][num_fwd:]
+    return sum(not isinstance(o.meta.get("val"), torch.SymInt) for o in saved)

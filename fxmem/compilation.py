@@ -1,0 +1,143 @@
+"""One compile, one record: what fxmem decided for one Dynamo graph, carried by its compiled callable.
+
+The backend makes a :class:`Compilation` per graph Dynamo hands it; every stage writes into it
+(the per-example pass its chunk plan, lowering what it replaced, the partitioner each graph it
+planned, the backend the reports) and the callable Dynamo caches, :class:`Compiled`, holds it.
+Nothing is kept at module level, so a compile's graphs die with its compiled function (when the
+model is freed and Dynamo's cache dropped, e.g. by ``torch._dynamo.reset()``).
+
+:func:`compilations` finds the records of a compiled model or function where Dynamo keeps
+them: each cache entry of the model's code objects (its modules' ``forward``, and the resume
+functions Dynamo made at graph breaks) names the compiled callables it runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+from .inputs import Inputs
+from .options import Options
+
+if TYPE_CHECKING:
+    from .graph.sizes import SymbolicSizes
+    from .lowering import Lowering
+    from .per_example.run import ChunkPlan
+    from .remat.plan import Plan
+    from .remat.split import Split
+    from .report.model import GraphReport
+
+
+@dataclass(eq=False)
+class PlannedGraph:
+    """One joint (or per-example chunk) graph that fxmem's partitioner planned and split."""
+    plan: "Plan"
+    split: "Split"
+    sizes: "SymbolicSizes"
+    primal_names: frozenset[str]  # the joint graph's inputs (their views keep no storage)
+    report: "GraphReport | None" = None  # built by the backend once the graph is compiled
+
+
+@dataclass(eq=False)
+class Compilation:
+    """Everything fxmem decided for one Dynamo graph (and the chunk graphs it runs)."""
+    options: Options
+    inputs: Inputs  # weak references to the example inputs: which model this graph belongs to
+    compile_id: Any = None  # Dynamo's CompileId ("0/1"): names report files, tags trace artifacts
+    graphs: list[PlannedGraph] = field(default_factory=list)  # in compile order
+    chunk_plan: "ChunkPlan | None" = None  # the per-example pass's decision, when it found a region
+    # Lowerings of graphs compiled without a backward to plan (no outer backward): one per graph.
+    unplanned_lowerings: list["Lowering"] = field(default_factory=list)
+    created_ns: int = field(default_factory=time.monotonic_ns)
+
+    @property
+    def reports(self) -> list["GraphReport"]:
+        return [g.report for g in self.graphs if g.report is not None]
+
+    def __repr__(self) -> str:
+        chunked = f", chunk_plan={self.chunk_plan.summary()}" if self.chunk_plan is not None else ""
+        return (f"Compilation(compile_id={self.compile_id}, level={self.options.level}, "
+                f"inner={self.options.inner!r}, graphs={len(self.graphs)}{chunked})")
+
+
+class Compiled:
+    """The callable the backend returns to Dynamo: the compiled step and its record."""
+    __slots__ = ("fn", "compilation")
+
+    def __init__(self, fn: Callable, compilation: Compilation):
+        self.fn, self.compilation = fn, compilation
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = None) -> list[Compilation]:
+    """The records of every graph fxmem compiled for ``compiled`` (a ``torch.compile``d module or
+    function, or the module itself), oldest first.
+
+    A record belongs to a module when its graph took one of the module's parameters (or one of
+    ``match``'s tensors) as an input. When none does, e.g. a second instance of an already
+    compiled class, whose calls Dynamo serves from the first one's graphs, every record found
+    through the module's code is returned. With no argument: every live record in this process.
+    """
+    if compiled is None:
+        found = [o for o in gc.get_objects() if type(o) is Compilation]  # type(): weak proxies raise on isinstance
+    else:
+        found = list({id(c): c for c in _cached(_roots(compiled))}.values())
+    if match is None and compiled is not None:
+        module = getattr(compiled, "_orig_mod", compiled)
+        params = getattr(module, "parameters", None)
+        match = params() if isinstance(module, torch.nn.Module) else None
+    ids = {id(t) for t in match} if match is not None else set()
+    mine = [c for c in found if c.inputs & ids]
+    return sorted(mine or found, key=lambda c: c.created_ns)
+
+
+def _roots(compiled: Any) -> list[tuple[Any, dict]]:
+    """(code object, globals) of every function Dynamo may have compiled frames of for ``compiled``."""
+    orig = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
+    fns: list[Callable] = []
+    if isinstance(orig, torch.nn.Module):
+        fns += [type(m).forward for m in orig.modules()]
+        fns.append(torch.nn.Module._call_impl)  # module.compile() compiles the module's call
+    else:
+        fn = orig
+        while fn is not None and fn not in fns:
+            fns.append(fn)
+            fn = getattr(fn, "__wrapped__", None)
+    out, seen = [], set()
+    for fn in fns:
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None and code not in seen:
+            seen.add(code)
+            out.append((code, fn.__globals__))
+    return out
+
+
+def _cached(roots: list[tuple[Any, dict]]) -> list[Compilation]:
+    """The records of the compiled callables that Dynamo's cache entries for ``roots`` run,
+    following resume functions (the code after a graph break) to their own entries."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    out: list[Compilation] = []
+    todo, seen = list(roots), set()
+    while todo:
+        code, scope = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        for entry in _debug_get_cache_entry_list(code):
+            for name in entry.code.co_names:
+                obj = scope.get(name)
+                while name.startswith("__compiled_fn") and hasattr(obj, "__wrapped__"):
+                    obj = obj.__wrapped__  # Dynamo installs the callable wrapped by torch._dynamo.disable
+                if isinstance(obj, Compiled):
+                    out.append(obj.compilation)
+                elif name.startswith("__resume_at") and hasattr(obj, "__code__"):
+                    todo.append((obj.__code__, obj.__globals__))
+    return out

@@ -1,0 +1,34 @@
+"""In-place forms of out-of-place ops: what the eager inner compiler may rewrite a node into.
+
+Kept apart from the rewrite itself (``fxmem.inner.reuse_dead_buffers``) because liveness reads
+:data:`WRITES_INTO_FIRST` too: a call that writes into its first argument allocates nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+# out-of-place op -> in-place op writing into its first argument (same values, bit for bit)
+INPLACE = {aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor,
+         aten.mul.Tensor: aten.mul_.Tensor, aten.div.Tensor: aten.div_.Tensor}
+COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+
+
+def _log_softmax_backward_into_grad(grad, output, dim, dtype):
+    # Row-wise two-pass kernel (sum, then write at the index it read): safe to alias grad and
+    # the result; tests/test_inner.py checks bit equality.
+    return aten._log_softmax_backward_data.out(grad, output, dim, dtype, out=grad)
+
+
+def _softmax_backward_into_grad(grad, output, dim, dtype):
+    return aten._softmax_backward_data.out(grad, output, dim, dtype, grad_input=grad)
+
+
+# ops whose first argument (the incoming gradient) can receive their result
+INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
+              aten._softmax_backward_data.default: _softmax_backward_into_grad}
+
+# functions whose result is their first argument's storage (liveness: no new allocation)
+WRITES_INTO_FIRST = frozenset(INTO_FIRST.values())

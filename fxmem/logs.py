@@ -1,0 +1,32 @@
+"""fxmem in PyTorch's logging: ``TORCH_LOGS=fxmem`` and plan artifacts in ``TORCH_TRACE`` runs.
+
+``TORCH_LOGS=fxmem`` (or ``+fxmem`` for DEBUG) sets the ``fxmem`` logger's level, as for
+torch's own components; each plan's table is logged at INFO. Every plan is also emitted as a
+structured trace artifact named ``fxmem_plan`` (JSON: the graph's report), which tlparse lists
+next to the graphs of the same compile.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+
+def register_logs() -> None:
+    """Make ``fxmem`` a ``TORCH_LOGS`` setting. torch reads ``TORCH_LOGS`` at import, before fxmem
+    is registered, so the setting is read again when it names fxmem."""
+    from torch._logging import _internal
+
+    if "fxmem" in _internal.log_registry.log_alias_to_log_qnames:
+        return
+    _internal.register_log("fxmem", "fxmem")
+    if "fxmem" in os.environ.get(_internal.LOG_ENV_VAR, ""):
+        _internal._init_logs()
+
+
+def trace_plan(payload: Callable[[], str], compile_id: Any = None) -> None:
+    """Emit one plan as the structured trace artifact ``fxmem_plan`` (a no-op without TORCH_TRACE)."""
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": "fxmem_plan", "encoding": "json"},
+                     payload_fn=payload, compile_id=compile_id)

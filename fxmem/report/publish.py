@@ -1,0 +1,41 @@
+"""The backend's last stage: build each planned graph's report (once), file it on the compile's
+record, and show it where the user looks (the ``fxmem`` log, ``report_path`` JSON files, the
+``TORCH_TRACE`` structured trace)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..compilation import Compilation, PlannedGraph
+from ..logs import trace_plan
+from .model import MemoryReport, build, report_json_path
+from .render import table
+
+if TYPE_CHECKING:
+    from ..lowering import Lowering
+
+log = logging.getLogger("fxmem")
+
+
+def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering") -> None:
+    """Add ``planned`` (the graphs one compile's partitioner planned) to ``comp`` with their
+    reports; ``lowered`` is what pattern lowering did to that compile's graph. A graph compiled
+    without a backward has nothing planned: its lowerings are kept on their own."""
+    if not planned and (lowered.lowered or lowered.skipped):
+        comp.unplanned_lowerings.append(lowered)
+    for graph in planned:
+        index = len(comp.graphs)
+        rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
+                    lowerings=lowered.rows(), lowering_notes=lowered.notes(),
+                    compile_id=str(comp.compile_id or ""))
+        graph.report = rep
+        comp.graphs.append(graph)
+        level = logging.INFO if comp.options.report else logging.DEBUG
+        if log.isEnabledFor(level):  # the table evaluates the peak: only when someone reads it
+            log.log(level, "%s", table(rep))
+        trace_plan(lambda: MemoryReport([rep]).to_json(), comp.compile_id)
+        if comp.options.report_path:
+            path = report_json_path(comp.options.report_path, rep)
+            MemoryReport([rep]).to_json(path)
+            log.info("fxmem: wrote the report of graph %d to %s", index, path)
