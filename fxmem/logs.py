@@ -8,20 +8,17 @@ next to the graphs of the same compile.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 
 def register_logs() -> None:
-    """Make ``fxmem`` a ``TORCH_LOGS`` setting. torch reads ``TORCH_LOGS`` at import, before fxmem
-    is registered, so the setting is read again when it names fxmem."""
+    """Make ``fxmem`` a named ``TORCH_LOGS`` setting (listed by ``TORCH_LOGS=help``). torch reads
+    ``TORCH_LOGS`` once, at its import; a name it does not know but can import (``fxmem``) it
+    imports and registers itself, so ``TORCH_LOGS=fxmem`` works whichever is imported first."""
     from torch._logging import _internal
 
-    if "fxmem" in _internal.log_registry.log_alias_to_log_qnames:
-        return
-    _internal.register_log("fxmem", "fxmem")
-    if "fxmem" in os.environ.get(_internal.LOG_ENV_VAR, ""):
-        _internal._init_logs()
+    if not _internal.log_registry.is_log("fxmem"):
+        _internal.register_log("fxmem", "fxmem")
 
 
 def trace_plan(payload: Callable[[], str], compile_id: Any = None) -> None:

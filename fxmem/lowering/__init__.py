@@ -148,11 +148,6 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx
     else:
         graph.lint()
         gm.recompile()
-    level = logging.INFO if options.report else logging.DEBUG
-    if log.isEnabledFor(level):
-        from ..report.render import lowering_lines
-
-        log.log(level, "%s", "\n".join(lowering_lines(result.rows(), result.notes())))
     return gm, result
 
 

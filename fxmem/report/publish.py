@@ -5,12 +5,13 @@ record, and show it where the user looks (the ``fxmem`` log, ``report_path`` JSO
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Callable
 
 from ..compilation import Compilation, PlannedGraph
 from ..logs import trace_plan
 from .model import MemoryReport, build, report_json_path
-from .render import table
+from .render import lowering_lines, table
 
 if TYPE_CHECKING:
     from ..lowering import Lowering
@@ -24,6 +25,7 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
     without a backward has nothing planned: its lowerings are kept on their own."""
     if not planned and (lowered.lowered or lowered.skipped):
         comp.unplanned_lowerings.append(lowered)
+        _show(comp, lambda: "\n".join(["graph without a backward to plan:", *lowering_lines(lowered.rows(), lowered.notes())]))
     for graph in planned:
         index = len(comp.graphs)
         rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
@@ -31,11 +33,18 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
                     compile_id=str(comp.compile_id or ""))
         graph.report = rep
         comp.graphs.append(graph)
-        level = logging.INFO if comp.options.report else logging.DEBUG
-        if log.isEnabledFor(level):  # the table evaluates the peak: only when someone reads it
-            log.log(level, "%s", table(rep))
+        _show(comp, lambda: table(rep))
         trace_plan(lambda: MemoryReport([rep]).to_json(), comp.compile_id)
         if comp.options.report_path:
             path = report_json_path(comp.options.report_path, rep)
             MemoryReport([rep]).to_json(path)
             log.info("fxmem: wrote the report of graph %d to %s", index, path)
+
+
+def _show(comp: Compilation, text: Callable[[], str]) -> None:
+    """Log at INFO (``TORCH_LOGS=fxmem``); with ``report=True`` print it when nothing logs INFO.
+    ``text`` is called only then: a table evaluates the predicted peak."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", text())
+    elif comp.options.report:
+        print(text(), file=sys.stderr)
