@@ -16,16 +16,11 @@ Every variant's clipped sum is checked against the hand loop (relative error per
 max |a - b| / max |b|). Peak = exact peak of one step above what was live before it (CPU:
 allocator events via fxmem.profiling.step_perf); time = median of ``--steps`` steps after warm-up,
 the variants interleaved step by step so machine drift hits them alike. Writes
-bench/results/<name>.json and .md.
+<out-dir>/<name>.json and .md (bench/common.py's writer; --out-dir defaults to bench/results).
 """
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,10 +28,10 @@ from pathlib import Path
 import torch
 from torch.func import grad, vmap
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.dpsgd_models import gpt, per_example_loss  # noqa: E402
+import common  # noqa: E402
+from dpsgd_models import gpt, per_example_loss  # noqa: E402
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.options import parse_bytes  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
@@ -230,8 +225,7 @@ def _targets(by: dict) -> list[dict]:
 
 def _markdown(rows, meta) -> str:
     lines = [f"# DP-SGD benchmark: {meta['name']}", "",
-             f"`{meta['command']}` at commit {meta['commit']}, {meta['date']}, {meta['device']}, "
-             f"{meta['threads']} torch thread(s). Model: plain GPT, {meta['shape']['layers']} layers, "
+             f"CPU, {meta['threads']} torch thread(s). Model: plain GPT, {meta['shape']['layers']} layers, "
              f"hidden {meta['shape']['d']}, {meta['shape']['heads']} heads, vocab {meta['shape']['vocab']}, "
              f"no weight tying ({meta['params'] / 1e6:.2f}M params); batch {meta['shape']['batch']}, "
              f"sequence {meta['shape']['seq']}, C = {meta['clipping_norm']}; fxmem inner compiler: "
@@ -266,35 +260,26 @@ def _markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--name", default="dpsgd")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes; appends -quick to the name")
+    ap = common.parser(__doc__, name="dpsgd")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"),
                     help="fxmem's inner compiler")
     ap.add_argument("--microbatch", type=int, default=0, help="fixed microbatch size (default 8; quick 2)")
     ap.add_argument("--budgets", default="", help="comma-separated memory budgets for 'auto' "
                     "(default 64MB,128MB,256MB; quick 500KB,700KB,1MB)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    name = args.name + ("-quick" if args.quick else "")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=HERE).stdout.strip()
+    args = common.parse(ap, argv)
+    common.set_threads(args.threads)
+    meta = common.metadata(args.command)
     t0 = time.perf_counter()
     rows, info = run(args)
-    meta = dict(name=name, command="python " + " ".join(["bench/dpsgd.py", *sys.argv[1:]]),
-                commit=commit, date=_dt.date.today().isoformat(), steps=args.steps, threads=args.threads,
-                device=f"CPU ({platform.processor() or platform.machine()})",
-                wall_s=round(time.perf_counter() - t0, 1), **info)
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
-    (out / f"{name}.md").write_text(_markdown(rows, meta))
+    run_info = dict(name=args.name, steps=args.steps, threads=args.threads or torch.get_num_threads(),
+                    wall_s=round(time.perf_counter() - t0, 1), **info)
+    jp, _ = common.write_results(args.name, rows, _markdown(rows, run_info), args.out_dir, meta=meta,
+                                 extra={"run": run_info})
     print("targets:", flush=True)
-    for t in meta["targets"]:
+    for t in run_info["targets"]:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
-    print(f"wrote {out / name}.json and .md ({meta['wall_s']:.0f} s)", flush=True)
+    print(f"wrote {jp} and .md ({run_info['wall_s']:.0f} s)", flush=True)
     return 0 if all(r.get("ok") for r in rows if "peak_bytes" in r) else 1
 
 

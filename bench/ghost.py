@@ -32,17 +32,13 @@ is the per-example loss that fxmem differentiates.
 Peak = exact peak of one step above what was live before it (CPU: allocator events via
 fxmem.profiling.step_perf; gradients set to None before the non-private and Opacus steps, so their
 allocation counts as fxmem's outputs do); time = median of ``--steps`` steps after warm-up, the
-variants interleaved step by step. Writes bench/results/<name>.json and .md.
+variants interleaved step by step. Writes <out-dir>/<name>.json and .md (bench/common.py's
+writer; --out-dir defaults to bench/results).
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime as _dt
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,11 +47,11 @@ import torch
 from torch import nn
 from torch.func import grad, vmap
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.dpsgd import rel_err  # noqa: E402
-from bench.dpsgd_models import gpt, per_example_loss  # noqa: E402
+import common  # noqa: E402
+from dpsgd import rel_err  # noqa: E402
+from dpsgd_models import gpt, per_example_loss  # noqa: E402
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
@@ -230,8 +226,7 @@ def run(args) -> tuple[list[dict], dict]:
 def _markdown(rows, meta) -> str:
     s = meta["shape"]
     lines = [f"# Ghost clipping benchmark: {meta['name']}", "",
-             f"`{meta['command']}` at commit {meta['commit']}, {meta['date']}, {meta['device']}, "
-             f"{meta['threads']} torch thread(s). Model: plain GPT, {s['layers']} layers, hidden {s['d']}, "
+             f"CPU, {meta['threads']} torch thread(s). Model: plain GPT, {s['layers']} layers, hidden {s['d']}, "
              f"{s['heads']} heads, vocab {s['vocab']}, no weight tying ({meta['params'] / 1e6:.2f}M params); "
              f"batch {s['batch']}, sequence {s['seq']}, C = {meta['clipping_norm']}, the whole batch in one "
              f"chunk; fxmem inner compiler: {meta['inner']}. Peak = exact peak of one step above what was "
@@ -266,39 +261,25 @@ def _markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--name", default="ghost")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes; appends -quick to the name")
+    ap = common.parser(__doc__, name="ghost")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"), help="fxmem's inner compiler")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--no-compiled-baseline", dest="compiled_baseline", action="store_false",
                     help="skip the informational non-private step compiled with Inductor")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    name = args.name + ("-quick" if args.quick else "")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    args = common.parse(ap, argv)
+    common.set_threads(args.threads)
+    meta = common.metadata(args.command)
     t0 = time.perf_counter()
     rows, info = run(args)
-    meta = dict(name=name, command="python " + " ".join(["bench/ghost.py", *(argv if argv is not None else sys.argv[1:])]),
-                commit=commit, date=_dt.date.today().isoformat(), steps=args.steps, threads=args.threads,
-                device=f"CPU ({platform.processor() or platform.machine()})",
-                torch=torch.__version__, wall_s=round(time.perf_counter() - t0, 1), **info)
-    try:
-        import opacus
-        meta["opacus"] = opacus.__version__
-    except ImportError:
-        pass
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
-    (out / f"{name}.md").write_text(_markdown(rows, meta))
+    run_info = dict(name=args.name, steps=args.steps, threads=args.threads or torch.get_num_threads(),
+                    wall_s=round(time.perf_counter() - t0, 1), **info)
+    jp, _ = common.write_results(args.name, rows, _markdown(rows, run_info), args.out_dir, meta=meta,
+                                 extra={"run": run_info})
     print("targets:", flush=True)
-    for t in meta["targets"]:
+    for t in run_info["targets"]:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'} ({t['value']:.3g} vs {t['limit']:.3g})", flush=True)
-    print(f"wrote {out / name}.json and .md ({meta['wall_s']:.0f} s)", flush=True)
-    return 0 if all(t["met"] for t in meta["targets"]) else 1
+    print(f"wrote {jp} and .md ({run_info['wall_s']:.0f} s)", flush=True)
+    return 0 if all(t["met"] for t in run_info["targets"]) else 1
 
 
 if __name__ == "__main__":

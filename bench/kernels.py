@@ -8,26 +8,22 @@ For each case (bench/kernel_cases/) and each variant: loss and gradients are che
 first variant (the unfused reference); peak memory of one forward + backward is measured exactly
 (CPU: allocator events; CUDA: max_memory_allocated) above what was live before the step; time is
 the median of ``--steps`` steps after one warm-up, the variants interleaved step by step so
-machine drift hits them alike. Writes bench/results/<name>.json and .md.
+machine drift hits them alike. Writes <out-dir>/<name>.json and .md (bench/common.py's writer;
+--out-dir defaults to bench/results) after every case.
 """
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.kernel_cases import all_cases  # noqa: E402
+import common  # noqa: E402
+from kernel_cases import all_cases  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
 MIB = 2**20
@@ -84,8 +80,7 @@ def run_case(case, steps: int, device: str) -> list[dict]:
 
 def _markdown(rows, meta) -> str:
     lines = [f"# Kernel benchmark: {meta['name']}", "",
-             f"`{meta['command']}` at commit {meta['commit']}, {meta['date']}, {meta['device']}, "
-             f"{meta['threads']} torch thread(s); time = median of {meta['steps']} steps after "
+             f"Device `{meta['device']}`, {meta['threads']} torch thread(s); time = median of {meta['steps']} steps after "
              "warm-up, variants interleaved; peak = exact peak of one forward + backward above "
              "what was live before it. Ratios are against the first (unfused) variant of each case.",
              "", "| family | case | variant | grads | peak MiB | peak ratio | ms | time ratio | targets |",
@@ -104,25 +99,16 @@ def _markdown(rows, meta) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--name", default="kernels")
-    ap.add_argument("--quick", action="store_true", help="small shapes; appends -quick to the name")
-    ap.add_argument("--families", default="", help="comma-separated kernel_cases modules")
+    ap = common.parser(__doc__, name="kernels", device="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--families", default="", help="comma-separated kernel_cases modules (default all)")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    name = args.name + ("-quick" if args.quick else "")
-    cases = all_cases(args.quick, [f for f in args.families.split(",") if f] or None)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=HERE).stdout.strip()
-    meta = dict(name=name, command="python " + " ".join(["bench/kernels.py", *sys.argv[1:]]),
-                commit=commit, date=_dt.date.today().isoformat(), steps=args.steps,
-                threads=args.threads, device=args.device if args.device != "cpu" else
-                f"CPU ({platform.processor() or platform.machine()})")
+    args = common.parse(ap, argv)
+    common.set_threads(args.threads)
+    cases = all_cases(args.quick, common.split(args.families) or None)
+    meta = common.metadata(args.command)
+    run_info = dict(name=args.name, steps=args.steps, threads=args.threads or torch.get_num_threads(),
+                    device=args.device, families=common.split(args.families) or None, quick=args.quick)
     rows = []
-    out = HERE / "results"
     for i, case in enumerate(cases, 1):
         t0 = time.perf_counter()
         print(f"[{i}/{len(cases)}] {case.family}: {case.name} ...", flush=True)
@@ -131,8 +117,8 @@ def main(argv=None) -> int:
             print(f"    {r['variant']:>24}: peak {r['peak_bytes'] / MIB:8.1f} MiB "
                   f"({r['peak_ratio']:.3f}x)  {r['time_s'] * 1e3:8.1f} ms ({r['time_ratio']:.2f}x)  "
                   f"{'ok' if r['ok'] else 'MISMATCH'}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-        (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / f"{name}.md").write_text(_markdown(rows, meta))
+        common.write_results(args.name, rows, _markdown(rows, run_info), args.out_dir, meta=meta,
+                             extra={"run": run_info})
     bad = [r for r in rows if not r["ok"]]
     return 1 if bad else 0
 

@@ -4,19 +4,18 @@
     python bench/run.py --name foundation --quick             # small shapes: writes foundation-quick.*
     python bench/run.py --name lvl --models hf_llama --configs 'eager,fxmem-eager,fxmem-eager:{"level":1}'
 
-Writes ``bench/results/<name>.json`` (every measurement, the machine, the command) and
-``bench/results/<name>.md`` (a table; see bench/README.md for the columns). Both are rewritten
-after every measurement, so an interrupted run keeps what it measured.
+Writes ``<out-dir>/<name>.json`` (every measurement; the run's settings under ``run``; commit,
+machine, versions and the command under ``meta``) and ``<out-dir>/<name>.md`` (a table; see
+bench/README.md for the columns) with ``common.write_results``; ``--out-dir`` defaults to
+bench/results. Both are rewritten after every measurement, so an interrupted run keeps what it
+measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import common  # noqa: E402
 import configs  # noqa: E402
 from worker import RESULT_PREFIX  # noqa: E402
 
@@ -66,71 +66,6 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-# --- machine and run info ------------------------------------------------------------------
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def machine_info() -> dict:
-    import torch
-
-    try:
-        import transformers
-
-        tf = transformers.__version__
-    except ImportError:
-        tf = None
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    status = _git("status", "--porcelain", "--", "fxmem", "fxmem_kernels", "bench", ":(exclude)bench/results")
-    try:
-        import fxmem
-
-        src = Path(fxmem.__file__).resolve().parent
-        fxmem_source = str(src.relative_to(HERE.parent)) if src.is_relative_to(HERE.parent) else str(src)
-    except ImportError:
-        fxmem_source = None
-    return {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": tf,
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
-        "fxmem_source": fxmem_source,  # "fxmem" = this checkout's package
-    }
-
-
-def _env_prefix() -> str:
-    """``PYTHONPATH=... `` when set: it decides which fxmem the workers import (e.g. a worktree snapshot)."""
-    pp = os.environ.get("PYTHONPATH")
-    return f"PYTHONPATH={shlex.quote(pp)} " if pp else ""
 
 
 # --- one run -------------------------------------------------------------------------------
@@ -225,17 +160,13 @@ def _f(x, fmt: str, suffix: str = "") -> str:
 
 
 def markdown(doc: dict) -> str:
-    m, run = doc["machine"], doc["run"]
+    """The table (``common.write_results`` puts the command, machine and commit under the title)."""
+    run = doc["run"]
+    threads = run.get("threads") or "torch's default number of"
     lines = [
         f"# Benchmark `{run['name']}`",
         "",
-        f"`{run['command']}`",
-        "",
-        f"{m['date_utc']} UTC; torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; "
-        f"{m['cpu'] or 'unknown CPU'}, {m['cpu_count']} CPUs ({run.get('threads') or m['torch_threads']} torch threads)"
-        + (f", {m['cuda']}" if m.get("cuda") else "") + f"; device `{run['device']}`; "
-        f"commit `{(m['git_commit'] or '?')[:10]}`" + (" (uncommitted changes)" if m.get("git_dirty") else "") + ".",
-        "",
+        f"Device `{run['device']}`, {threads} torch thread(s) per worker. "
         f"Per run: {run['warmup']} warm-up step(s) (the first compiles), {run['mem_steps']} profiled step(s) for the "
         f"peak, {run['steps']} timed steps for the median. Peak = bytes allocated during forward + backward "
         "(gradients included, parameters not). Ratios are to `eager` of the same model. "
@@ -281,12 +212,9 @@ def markdown(doc: dict) -> str:
 
 
 def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     annotate(doc["results"])
-    jp, mp = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    jp.write_text(json.dumps(doc, indent=1) + "\n")
-    mp.write_text(markdown(doc))
-    return jp, mp
+    return common.write_results(name, doc["results"], markdown(doc), out_dir, meta=doc["meta"],
+                                extra={"run": doc["run"]})
 
 
 def _summary(r: dict) -> str:
@@ -301,33 +229,26 @@ def _summary(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="fxmem benchmark: peak step memory and step time per (model, config)")
-    p.add_argument("--name", required=True, help="results go to <out-dir>/<name>.json and .md")
-    p.add_argument("--models", default=",".join(configs.DEFAULT_MODELS),
-                   help=f"comma-separated; known: {', '.join(configs.MODELS)}")
+    p = common.parser(__doc__, models=",".join(configs.DEFAULT_MODELS), known_models=tuple(configs.MODELS),
+                      device="cpu")
     p.add_argument("--configs", default=",".join(configs.DEFAULT_CONFIGS),
                    help="comma-separated names or 'name:{json options}'; known: " + ", ".join(configs.REGISTRY))
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, --quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps incl. the compiling one (default 2, --quick 1)")
     p.add_argument("--mem-steps", type=int, default=1, help="profiled steps for the peak (default 1)")
-    p.add_argument("--quick", action="store_true", help="small shapes, fewer steps; writes <name>-quick.*")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per worker (default 1: steady times on a shared machine; 0: torch's default)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
     p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
                    help="Inductor cache: a cold one per worker (default), one per run.py run, or the global "
                         "one that persists across runs (default with --quick)")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
-    a = p.parse_args(argv)
+    a = common.parse(p, argv)
     a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     if a.warmup < 1 or a.steps < 1 or a.mem_steps < 1:
         p.error("--warmup, --steps and --mem-steps must be >= 1")
     a.cache = a.cache or ("global" if a.quick else "worker")
-    name = a.name + ("-quick" if a.quick and not a.name.endswith("-quick") else "")
+    name = a.name
 
-    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    models = a.models
     specs = configs.split_specs(a.configs)
     try:  # fail on a typo now, not after an hour
         for m in models:
@@ -342,11 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         specs = [configs.BASELINE] + [s for s in specs if s != configs.BASELINE]
 
     doc = {
-        "machine": machine_info(),
+        "meta": common.metadata(a.command),
         "run": {
-            "name": name, "command": _env_prefix() + (shlex.join(["python", os.path.relpath(__file__), *sys.argv[1:]])
-                                                     if argv is None else shlex.join(["python", "bench/run.py", *argv])),
-            "cwd": os.getcwd(),
+            "name": name,
             "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
             "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device, "cache": a.cache,
             "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},

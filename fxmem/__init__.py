@@ -9,6 +9,7 @@ from .options import Options, Rule, resolve
 from .report import MemoryReport, explain, report
 from .version import __version__
 
-__all__ = ["Compilation", "MemoryReport", "Options", "Rule", "compilations", "explain", "fxmem_backend", "report", "resolve", "__version__"]
+__all__ = ["Compilation", "MemoryReport", "Options", "Rule", "compilations", "explain", "fxmem_backend", "report",
+           "resolve", "__version__"]
 
 register()

@@ -28,7 +28,8 @@ from .report import publish
 log = logging.getLogger("fxmem")
 
 
-def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
+def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
+                  options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
     """``torch.compile(model, backend="fxmem", options={...})``."""
     opts = _options(options, kwargs)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)

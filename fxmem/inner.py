@@ -149,5 +149,7 @@ def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any
 
     if rewrite is None:
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
-    return aot_autograd(fw_compiler=lambda g, ins: make_boxed_func(compile_fx(rewrite(g), ins, inner_compile=inner_compile)),
-                        bw_compiler=eager)(gm, example_inputs)
+    def fw(g, ins):
+        return make_boxed_func(compile_fx(rewrite(g), ins, inner_compile=inner_compile))
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)

@@ -120,7 +120,8 @@ def parse_config(value: Any, key: str = "config") -> tuple[Rule, ...]:
         if text.endswith(".json") or os.sep in text:
             if not os.path.isfile(text):
                 raise ValueError(f"option {key!r}: config file {text!r} does not exist; allowed: a path to "
-                                 "a JSON list of 'cluster:strategy:count' strings, or the strings inline, comma-separated")
+                                 "a JSON list of 'cluster:strategy:count' strings, "
+                                 "or the strings inline, comma-separated")
             try:
                 with open(text) as f:
                     items = json.load(f)
@@ -209,7 +210,8 @@ def _parse_lowering(value: Any, key: str = "lowering") -> bool | Mapping[str, bo
     if isinstance(value, bool):
         return value
     if not isinstance(value, Mapping):
-        raise _err(key, value, f"True, False, or a dict from pattern name to bool; patterns: {', '.join(LOWERING_PATTERNS)}")
+        raise _err(key, value, "True, False, or a dict from pattern name to bool; "
+                               f"patterns: {', '.join(LOWERING_PATTERNS)}")
     for name, on in value.items():
         if name not in LOWERING_PATTERNS:
             raise _err(f"{key}.{name}", on, f"pattern names {', '.join(LOWERING_PATTERNS)}")

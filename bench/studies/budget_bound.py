@@ -1,6 +1,6 @@
 """What a memory budget must recompute: a lower bound for every plan, fxmem's and torch's plans.
 
-    python bench/budget_bound.py --name budget-bound --models hf_gpt2,hf_llama --fractions 0.96,0.9,0.7,0.5
+    python bench/studies/budget_bound.py --name budget-bound --models hf_gpt2,hf_llama --fractions 0.96,0.9,0.7,0.5
 
 fxmem's ``memory_budget`` fraction is of its level 0 plan's saved bytes, and level 0 already keeps
 the least a plan can keep when only cheap ops (no matmul, no attention) are recomputed: it is a
@@ -21,22 +21,20 @@ given in milliseconds: each matmul and attention node priced by the median time 
 alone, on random inputs of its shapes and strides (one thread, as the benchmarks). The time bound
 is the same hull with those prices, so it is the least recompute time of any plan under the cap,
 to set against the time torch's plan recomputes (attention runs slower per FLOP than a matmul on
-this CPU). Step times are in ``bench/interleaved.py``'s results.
+this CPU). Step times are in ``bench/studies/interleaved.py``'s results.
 
 Writes ``bench/results/<name>.{json,md}``.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: configs, worker, common
 
 import configs  # noqa: E402
-import study  # noqa: E402
+import study  # noqa: E402  (bench/studies/, this script's directory)
 from worker import workload  # noqa: E402
 
 LAM_LO, LAM_HI = 1e-12, 1e6
@@ -136,9 +134,17 @@ def fxmem_plan(model_name: str, quick: bool, fraction: float | None):
     opts = {"inner": "inductor", **({"memory_budget": fraction} if fraction else {})}
     fn = torch.compile(wl.model, backend="fxmem", options=opts)
     wl.loss(fn(**batch)).backward()
-    plan = fxmem.report(fn).plans[-1]
+    plan = _last_plan(fxmem, fn)
     rec = split(plan.problem.joint, list(plan.saved)).recomputed
     return plan, heavy_flops(rec), heavy_ns(rec)
+
+
+def _last_plan(fxmem, fn):
+    """The plan of the latest graph fxmem compiled for ``fn``: ``fxmem.compilations`` where fxmem
+    has it (each Compilation's ``.graphs`` carry ``.plan``), else the report's live plans."""
+    if hasattr(fxmem, "compilations"):
+        return [g for c in fxmem.compilations(fn) for g in c.graphs][-1].plan
+    return fxmem.report(fn).plans[-1]
 
 
 def torch_plan(model_name: str, quick: bool, fraction: float) -> dict:
@@ -201,9 +207,7 @@ def run(model_name: str, fractions: list[float], quick: bool) -> dict:
             "level0_bytes": level0_bytes, "frontier": points, "rows": rows}
 
 
-def markdown(name: str, cmd: str, results: list[dict]) -> str:
-    import torch
-
+def markdown(name: str, results: list[dict]) -> str:
     def g(x, total):  # GFLOP and share of the step
         if x is None:
             return "-"
@@ -212,8 +216,7 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
     def ms(ns):
         return "-" if ns is None else "no plan" if ns == float("inf") else f"{ns / 1e6:.1f}"
 
-    out = [f"# Recompute a budget needs: `{name}`", "", f"`{cmd}`", "",
-           f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}. "
+    out = [f"# Recompute a budget needs: `{name}`", "",
            "GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); "
            "% = of one eager step's FLOPs. *Bound*: the least any plan keeping at most the cap "
            "recomputes (min-cut frontier hull, every forward op recomputable); fxmem: its plan at that "
@@ -239,4 +242,4 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    study.main(__doc__, "budget_bound.py", "budget-bound", "0.96,0.9,0.7,0.5", run, markdown)
+    study.main(__doc__, __file__, "budget-bound", "0.96,0.9,0.7,0.5", run, markdown)

@@ -1,6 +1,6 @@
 """Why fxmem refuses memory budgets below its floor: the peak of the plans that would meet them.
 
-    python bench/budget_floor.py --name budget-floor --models hf_gpt2,hf_llama --fractions 0.3,0.1
+    python bench/studies/budget_floor.py --name budget-floor --models hf_gpt2,hf_llama --fractions 0.3,0.1
 
 A budget is the cap on saved bytes, and a lower budget must not raise the step's peak. On a
 language model the cross-entropy's log-softmax (batch x seq x vocab) is kept by every plan fxmem
@@ -17,16 +17,14 @@ the largest tensors alive at it. Writes ``bench/results/<name>.{json,md}``.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import re
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: configs, worker, common
 
 import configs  # noqa: E402
-import study  # noqa: E402
+import study  # noqa: E402  (bench/studies/, this script's directory)
 from worker import workload  # noqa: E402
 
 MiB = 2**20
@@ -92,12 +90,9 @@ def run(model_name: str, fractions: list[float], quick: bool) -> dict:
             "floor_bytes": floor_bytes, "rows": rows}
 
 
-def markdown(name: str, cmd: str, results: list[dict]) -> str:
-    import torch
-
-    out = [f"# Below the budget floor: `{name}`", "", f"`{cmd}`", "",
-           f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; eager inner "
-           "compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make if a budget "
+def markdown(name: str, results: list[dict]) -> str:
+    out = [f"# Below the budget floor: `{name}`", "",
+           "Eager inner compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make if a budget "
            "could rerun the vocabulary projection in the backward (it cannot).", ""]
     for r in results:
         out += [f"**{r['model']}**: level 0 keeps {r['level0_bytes']:,} bytes; floor {r['floor_bytes']:,}.", "",
@@ -117,4 +112,4 @@ def markdown(name: str, cmd: str, results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    study.main(__doc__, "budget_floor.py", "budget-floor", "0.3,0.1", run, markdown)
+    study.main(__doc__, __file__, "budget-floor", "0.3,0.1", run, markdown)

@@ -1,6 +1,6 @@
 """Step time of several configurations of one model, measured interleaved in one process.
 
-    python bench/interleaved.py --name budget-time --model hf_gpt2 --rounds 15 \
+    python bench/studies/interleaved.py --name budget-time --model hf_gpt2 --rounds 15 \
         --configs 'inductor+budget0.9,fxmem-inductor+budget0.9'
 
 ``bench/run.py`` measures each configuration in its own process, one after another, so a slow
@@ -9,24 +9,22 @@ configuration is compiled and warmed up first; then each round runs one step of 
 that rotates from round to round, and the medians compare steps taken side by side. Memory is
 not measured here (run.py does that exactly, one process per configuration).
 
-Writes ``bench/results/<name>.{json,md}``: per configuration the median and fastest step and
-their ratios to the first configuration.
+Writes ``<out-dir>/<name>.{json,md}`` (default bench/results): per configuration the median and
+fastest step and their ratios to the first configuration (JSON: ``results``; the model and rounds
+at the top level, as ``summarize_planner.py --times`` reads them).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime as _dt
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: configs, worker, common
 
+import common  # noqa: E402
 import configs  # noqa: E402
 from worker import workload  # noqa: E402
 
@@ -40,9 +38,7 @@ def _compiled(model, spec: str, step):
 
 
 def measure(model_name: str, specs: list[str], rounds: int, quick: bool, threads: int) -> list[dict]:
-    import torch
-
-    torch.set_num_threads(threads)
+    common.set_threads(threads)
     wl, batch = workload(model_name, configs.model_kwargs(model_name, quick), 0, "cpu")
 
     def step(model, fn):
@@ -76,34 +72,29 @@ def measure(model_name: str, specs: list[str], rounds: int, quick: bool, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--name", required=True)
-    p.add_argument("--model", required=True, choices=sorted(configs.MODELS))
+    p = common.parser(__doc__, models=common.REQUIRED, known_models=sorted(configs.MODELS))
     p.add_argument("--configs", required=True, help="comma-separated; ratios are to the first")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out-dir", default=str(HERE / "results"))
-    a = p.parse_args(argv)
+    a = common.parse(p, argv)
     specs = configs.split_specs(a.configs)
     if len(specs) < 2 or a.rounds < 1:
         p.error("give at least two configurations and one round")
-    rows, failed = measure(a.model, specs, a.rounds, a.quick, a.threads)
-    import torch
-
-    stamp = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; {a.threads} thread(s)"
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps({"model": a.model, "rounds": a.rounds, "when": stamp,
-                                                    "argv": sys.argv, "rows": rows, "left_out": failed}, indent=1))
-    lines = [f"# Interleaved step time: `{a.name}`", "", f"`python bench/interleaved.py {' '.join(sys.argv[1:])}`", "",
-             f"{stamp}; model `{a.model}`; {a.rounds} rounds of one step per configuration, order rotating.", "",
+    if len(a.models) != 1:
+        p.error("--model: one model (its configurations are stepped side by side)")
+    model = a.models[0]
+    meta = common.metadata(a.command)
+    rows, failed = measure(model, specs, a.rounds, a.quick, a.threads)
+    lines = [f"# Interleaved step time: `{a.name}`", "",
+             f"Model `{model}`; {a.threads or 'default'} torch thread(s); {a.rounds} rounds of one step per "
+             "configuration, order rotating.", "",
              "| config | median ms | fastest ms | median / first | fastest / first |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['config']} | {r['median_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | {r['median_ratio']:.3f} | "
               f"{r['min_ratio']:.3f} |" for r in rows]
     lines += [f"| {f['config']} | left out: {f['error']} | | | |" for f in failed]
-    (out / f"{a.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-len(rows) - 2:]))
+    common.write_results(a.name, rows, "\n".join(lines) + "\n", a.out_dir, meta=meta,
+                         extra={"model": model, "rounds": a.rounds, "configs": specs, "threads": a.threads,
+                                "quick": a.quick, "left_out": failed})
+    print("\n".join(lines[-len(rows) - len(failed) - 2:]))
     return 0
 
 

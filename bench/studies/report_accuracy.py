@@ -5,27 +5,26 @@ inner compiler), then at five shapes spread 4x in batch and 4x in sequence measu
 peak (fxmem.profiling, exact on CPU) and compare it with ``predict_peak``. Then for three caps:
 the measured peak at ``max_batch(cap)`` must fit, and the prediction at the next batch must not.
 
-    python bench/report_accuracy.py            # writes bench/results/report.{json,md}
+    python bench/studies/report_accuracy.py            # writes bench/results/report.{json,md}
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-import fxmem
-from fxmem.models import build
-from fxmem.profiling import step_perf
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+import common  # noqa: E402
+import fxmem  # noqa: E402
+from fxmem.models import build  # noqa: E402
+from fxmem.profiling import step_perf  # noqa: E402
 
 SHAPES = [(2, 128), (8, 128), (4, 256), (2, 512), (8, 512)]  # 4x in batch, 4x in sequence
-PLANS = {"level 0": {}, "level 1": {"level": 1}, "budget 0.9": {"memory_budget": 0.9}}
+PLAN_OPTIONS = {"level 0": {}, "level 1": {"level": 1}, "budget 0.9": {"memory_budget": 0.9}}
 CAPS_MB = (150, 300, 600)
 SEQ_FOR_CAPS = 256
 
@@ -67,10 +66,9 @@ def run_one(name: str, plan: str, options: dict) -> dict:
     return dict(model=name, plan=plan, options=options, shapes=rows, caps=caps)
 
 
-def markdown(results: list[dict], command: str) -> str:
-    lines = ["# Benchmark `report`: predicted vs measured step peak", "", f"`{command}`", "",
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, "
-             f"Python {platform.python_version()}; CPU; fxmem eager inner compiler; one `dynamic=True` "
+def markdown(name: str, results: list[dict]) -> str:
+    lines = [f"# Benchmark `{name}`: predicted vs measured step peak", "",
+             "CPU; fxmem eager inner compiler; one `dynamic=True` "
              "compile per row group. Peak = bytes allocated during forward + backward (gradients "
              "included, parameters and inputs not), measured on the second step at each shape.", "",
              "| model | plan | batch x seq | measured MiB | predicted MiB | error |",
@@ -93,18 +91,17 @@ def markdown(results: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="hf_gpt2,hf_llama")
-    p.add_argument("--name", default="report")
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    results = [run_one(m, plan, opts) for m in a.models.split(",") for plan, opts in PLANS.items()]
-    out = Path(__file__).parent / "results"
-    command = "python " + " ".join(sys.argv)
-    (out / f"{a.name}.json").write_text(json.dumps(dict(command=command, results=results), indent=1))
-    (out / f"{a.name}.md").write_text(markdown(results, command))
-    print(markdown(results, command))
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(__doc__, name="report", models="hf_gpt2,hf_llama", known_models=("hf_gpt2", "hf_llama"),
+                      quick=False)
+    a = common.parse(p, argv)
+    common.set_threads(a.threads)
+    meta = common.metadata(a.command)
+    results = [run_one(m, plan, opts) for m in a.models for plan, opts in PLAN_OPTIONS.items()]
+    text = markdown(a.name, results)
+    common.write_results(a.name, results, text, a.out_dir, meta=meta,
+                         extra={"shapes": SHAPES, "caps_mib": CAPS_MB, "seq_for_caps": SEQ_FOR_CAPS})
+    print(text)
 
 
 if __name__ == "__main__":

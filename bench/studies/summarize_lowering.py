@@ -2,7 +2,7 @@
 
     FXMEM_BENCH_MODEL_KWARGS='{"vocab": 32768}' python bench/run.py --name lowering \\
         --models hf_gpt2,hf_llama --configs eager,fxmem-eager+loss_only,... (see lowering.md)
-    python bench/summarize_lowering.py
+    python bench/studies/summarize_lowering.py
 
 Appends a "Targets" section to ``bench/results/<name>.md`` (replacing any earlier one): each
 lowered configuration against the same configuration without lowering (same inner compiler,
@@ -56,7 +56,7 @@ def targets(doc: dict, notes: list[str]) -> str:
             ok = peak <= PEAK_MAX and med <= TIME_MAX and a["check"] == "ok"
             rows.append(f"| {model} | `{lowered}` | `{base}` | {peak:.2f} | {text} | {a['check']} | {_pf(ok)} |")
     head = [HEADING, "",
-            f"Written by `python bench/summarize_lowering.py` from the JSON of this run. Each lowered configuration "
+            f"Written by `python bench/studies/summarize_lowering.py` from the JSON of this run. Each lowered configuration "
             f"against the same configuration without lowering (same inner compiler, same level): peak at most "
             f"{PEAK_MAX}x, median step time at most {TIME_MAX}x; loss within 1e-5 and gradient norm within 1e-4 of "
             "eager. `+loss_only` compiles the model returning only its loss; the last row of each model is the HF "

@@ -1,7 +1,7 @@
 """Check the recompute planner's targets (issue "[planner]") against a benchmark run.
 
-    python bench/summarize_planner.py                      # bench/results/planner.{json,md}
-    python bench/summarize_planner.py --name planner-quick
+    python bench/studies/summarize_planner.py                      # bench/results/planner.{json,md}
+    python bench/studies/summarize_planner.py --name planner-quick
 
 Reads ``bench/results/<name>.json`` (written by ``bench/run.py``) and appends a "Targets" section
 to ``bench/results/<name>.md``, replacing any earlier one (run.py rewrites the table above it,
@@ -34,7 +34,10 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+import common  # noqa: E402
+
 MIB = 2**20
 TARGET_MODELS = ("hf_gpt2", "hf_llama")
 INNERS = {  # inner compiler -> (label, min-cut baseline of the same inner compiler)
@@ -61,8 +64,9 @@ class Results:
     def __init__(self, doc: dict):
         self.by = {(r["model"], r["config"]): r for r in doc["results"]}
         # (model, config) -> (interleaved run, its row): step times taken side by side
+        # (an interleaved.py JSON: rows under "results"; before bench/common.py, under "rows")
         self.side = {(run["model"], row["config"]): (run["name"], row)
-                     for run in doc.get("interleaved", []) for row in run["rows"]}
+                     for run in doc.get("interleaved", []) for row in run.get("results", run.get("rows", []))}
 
     def get(self, model: str, config: str) -> dict | None:
         r = self.by.get((model, config))
@@ -261,7 +265,7 @@ def targets(doc: dict, notes: list[str] = ()) -> str:
     tally = {"pass": 0, "fail": 0}
     body = level0(res, models, tally) + level1(res, models, tally) + sweep(res, models, tally) + pareto(res, models)
     head = [HEADING, "",
-            "Written by `python bench/summarize_planner.py` from the JSON of this run. Target models: "
+            "Written by `python bench/studies/summarize_planner.py` from the JSON of this run. Target models: "
             + ", ".join(f"`{m}`" for m in TARGET_MODELS) + "; others are informational and not counted. Time "
             "ratios are of median step times; \"min\" is the ratio of the fastest steps, to judge timing noise "
             "(see `step_times_s` in the JSON). Peaks are exact (CPU profiler), times are not.", "",
@@ -275,16 +279,16 @@ def main(argv: list[str] | None = None, name: str = "planner", heading: str = HE
          description: str = __doc__) -> int:
     """Append the section ``section(doc, notes)`` writes to ``<dir>/<name>.md`` (replacing the
     one under ``heading``) and print it; summarize_lowering.py runs this with its own."""
-    p = argparse.ArgumentParser(description=description.split("\n")[0])
-    p.add_argument("--name", default=name)
-    p.add_argument("--dir", default=str(HERE / "results"))
+    p = common.parser(description, name=name, quick=False, threads=None, script=sys.argv[0])
+    p.add_argument("--dir", dest="out_dir", type=Path, default=argparse.SUPPRESS,
+                   help="the same as --out-dir: where <name>.json and .md are (default bench/results)")
     p.add_argument("--note", action="append", default=[],
                    help="a line to print under the heading (e.g. how the run was invoked); repeatable")
     p.add_argument("--times", action="append", default=[], metavar="NAME",
                    help="an interleaved.py run (<dir>/NAME.json): a comparison whose two configurations it "
                         "timed side by side uses its step times; repeatable")
-    a = p.parse_args(argv)
-    d = Path(a.dir)
+    a = common.parse(p, argv)
+    d = Path(a.out_dir)
     doc = json.loads((d / f"{a.name}.json").read_text())
     doc["interleaved"] = [dict(json.loads((d / f"{t}.json").read_text()), name=t) for t in a.times]
     md_path = d / f"{a.name}.md"

@@ -30,7 +30,8 @@ def add_noise(grads: Any, noise_multiplier: float, clipping_norm: float,
         raise ValueError(f"add_noise: noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
     C = check_clipping_norm(clipping_norm, "add_noise")
     if not math.isfinite(C):
-        raise ValueError("add_noise: clipping_norm must be finite (the noise scale is noise_multiplier * clipping_norm)")
+        raise ValueError("add_noise: clipping_norm must be finite "
+                         "(the noise scale is noise_multiplier * clipping_norm)")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"add_noise: generator must be a torch.Generator or None, got {generator!r}")
     std = float(noise_multiplier) * C

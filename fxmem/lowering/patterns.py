@@ -23,8 +23,7 @@ from torch._functorch import predispatch
 
 from ..options import LOWERING_PATTERNS
 from . import functions as fn
-from .match import (POINTWISE, arg, commuted, is_cast_to, is_number, last_dim_vector, only_users, op,
-                    same_shape, tensor)
+from .match import POINTWISE, arg, commuted, is_cast_to, is_number, last_dim_vector, only_users, op, same_shape, tensor
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -128,7 +128,8 @@ def split_region(gm: fx.GraphModule, region: Region) -> RegionSplit:
     spec = fx.node.map_arg(output_node.args[0], lambda n: n.name)
     return RegionSplit(region, outer, [n.name for n in needed_outer], chunk_inputs,
                  [p.name for p in epi.partials],
-                 [p.meta["example_value"].dtype for p in epi.partials], [(n.name, kinds[n].dim) for n in batched_outputs],
+                 [p.meta["example_value"].dtype for p in epi.partials],
+                 [(n.name, kinds[n].dim) for n in batched_outputs],
                  rest, rest_inputs, rest_outputs, spec, make_chunk, len(fused))
 
 

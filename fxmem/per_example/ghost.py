@@ -201,7 +201,8 @@ def _embedding(n: fx.Node, m: int) -> _State | None:
                       [n, edb] + extra, [edb], ["embedding"])
     if _is(n, aten.permute.default) and len(shape) == 3 and list(n.args[1]) == [1, 0, 2]:
         v = n.args[0]
-        if not (_is(v, aten.view.default, aten._unsafe_view.default) and _is(v.args[0], aten.embedding_dense_backward.default)):
+        if not (_is(v, aten.view.default, aten._unsafe_view.default)
+                and _is(v.args[0], aten.embedding_dense_backward.default)):
             return None
         edb = v.args[0]
         W, idx, num_weights, padding_idx, scale = edb.args
@@ -312,10 +313,10 @@ class _Leaf:
         e, terms = self.e, self.s.terms
         total = None
         for k in range(len(terms)):
-            for l in range(k, len(terms)):
-                prod = e(aten.mul.Tensor, self.gram(terms[k].L, terms[l].L), self.gram(terms[k].R, terms[l].R))
+            for j in range(k, len(terms)):
+                prod = e(aten.mul.Tensor, self.gram(terms[k].L, terms[j].L), self.gram(terms[k].R, terms[j].R))
                 part = e(aten.sum.dim_IntList, prod, [1, 2])
-                if l != k:
+                if j != k:
                     part = e(aten.mul.Tensor, part, 2.0)
                 total = part if total is None else e(aten.add.Tensor, total, part)
         # a non-finite ghost norm becomes nan: it poisons the sums, and guard() reruns the chunk

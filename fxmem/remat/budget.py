@@ -105,7 +105,8 @@ def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list
     return units
 
 
-def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem, pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem,
+            pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """A greedy walk from the first cut down to the last, and every plan one unit away from it.
     Each step applies the one unit (of any neighbouring pair of cuts, :func:`_units`) that frees
     bytes at the least extra recompute cost per byte freed. This mixes the cuts layer by layer
@@ -216,7 +217,8 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     saved, lam, nbytes, peak, cost = min(fits, key=lambda c: (c[4], -c[2]))
     notes.append(f"memory budget {cap} bytes: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
-                 f"{len(admissible)} of {len(candidates)} candidate plans (frontier cuts, steps between them and greedy mixes, "
+                 f"{len(admissible)} of {len(candidates)} candidate plans "
+                 "(frontier cuts, steps between them and greedy mixes, "
                  "those no other beats on bytes and recompute) admissible: "
                  "the level's own, then each below every simulated peak before it")
     return saved, lam, recomp

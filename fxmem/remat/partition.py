@@ -11,10 +11,10 @@ from typing import Any
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from ..graph.joint import JointGraph
-from ..graph.sizes import SymbolicSizes
 from ..compilation import PlannedGraph
 from ..fallback import stage_failed
+from ..graph.joint import JointGraph
+from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
@@ -52,7 +52,8 @@ class Partitioner(CustomPartitionerFn):
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, self.options)
             return self._safe(joint)
-        log.debug("fxmem split: %d values saved, %d recomputed in the backward", len(result.saved), len(result.recomputed))
+        log.debug("fxmem split: %d values saved, %d recomputed in the backward",
+                  len(result.saved), len(result.recomputed))
         if self.options.inner == "eager":  # what the eager inner compiler will run: report exactly that
             reuse_dead_buffers(result.fw)
             reuse_dead_buffers(result.bw)

@@ -16,9 +16,9 @@ from ..graph.liveness import storage_owners, storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
 from .allowlist import CHEAP, HEAVY, kind
+from .budget import predicted_peak, within_budget
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, layers
-from .budget import predicted_peak, within_budget
 from .mincut import CutProblem, NoPlan, solve
 
 log = logging.getLogger("fxmem")

@@ -25,7 +25,8 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
     without a backward has nothing planned: its lowerings are kept on their own."""
     if not planned and (lowered.lowered or lowered.skipped):
         comp.unplanned_lowerings.append(lowered)
-        _show(comp, lambda: "\n".join(["graph without a backward to plan:", *lowering_lines(lowered.rows(), lowered.notes())]))
+        _show(comp, lambda: "\n".join(["graph without a backward to plan:",
+                                        *lowering_lines(lowered.rows(), lowered.notes())]))
     for graph in planned:
         index = len(comp.graphs)
         rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
@@ -33,8 +34,8 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
                     compile_id=str(comp.compile_id or ""))
         graph.report = rep
         comp.graphs.append(graph)
-        _show(comp, lambda: table(rep))
-        trace_plan(lambda: MemoryReport([rep]).to_json(), comp.compile_id)
+        _show(comp, lambda rep=rep: table(rep))
+        trace_plan(lambda rep=rep: MemoryReport([rep]).to_json(), comp.compile_id)
         if comp.options.report_path:
             path = report_json_path(comp.options.report_path, rep)
             MemoryReport([rep]).to_json(path)

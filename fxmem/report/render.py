@@ -45,7 +45,8 @@ def table(g: GraphReport) -> str:
     if g.lowerings or g.lowering_notes:
         lines += lowering_lines(g.lowerings, g.lowering_notes)
     if g.symbols:
-        legend = "; ".join(f"{name} = {g.values.get(sym, '?')}" for sym, name in sorted(g.symbols.items(), key=lambda kv: kv[1]))
+        by_name = sorted(g.symbols.items(), key=lambda kv: kv[1])
+        legend = "; ".join(f"{name} = {g.values.get(sym, '?')}" for sym, name in by_name)
         lines.append(f"symbols (at the compiled shape): {legend}")
     return "\n".join(lines)
 

@@ -50,7 +50,8 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
     ``"unoptimized"``, the same graph (with the same pattern lowering, so that random ops draw
     the same numbers) split without any recompute: use it with dropout, since a compiled graph
     draws its random numbers differently from eager. ``reset`` clears Dynamo's caches first (repeated checks of one
-    model class would otherwise hit Dynamo's recompile limit and silently run eagerly). Also checks the report's claim: the saved bytes each plan
+    model class would otherwise hit Dynamo's recompile limit and silently run eagerly). Also checks the
+    report's claim: the saved bytes each plan
     predicts (its formula evaluated at this run's shape) equal the bytes autograd actually held
     between forward and backward. ``options`` default to the eager inner compiler (fast)."""
     from ..compilation import compilations

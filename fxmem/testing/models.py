@@ -55,7 +55,8 @@ class Block(nn.Module):
         if kind == "mlp":
             self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
         elif kind == "swiglu":
-            self.gate, self.up, self.down = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+            self.gate, self.up = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+            self.down = nn.Linear(h, d, bias=False)
         elif kind == "attention":
             self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         elif kind == "conv1d":

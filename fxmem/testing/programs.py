@@ -1,4 +1,5 @@
-"""Hypothesis strategies over random straight-line programs (x and weights through pointwise ops, norms, softmax and matmuls): small joint graphs for planner and split properties."""
+"""Hypothesis strategies over random straight-line programs (x and weights through pointwise ops,
+norms, softmax and matmuls): small joint graphs for planner and split properties."""
 
 import torch
 import torch.nn.functional as F
