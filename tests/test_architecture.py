@@ -1,0 +1,232 @@
+"""The project's structure as tests: no import cycles, no process-wide registries (a compile's
+graphs die with its compiled function), fxmem in torch's logging, lint clean."""
+
+from __future__ import annotations
+
+import ast
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import torch
+import torch.fx as fx
+
+import fxmem
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    mods = {}
+    for p in [*ROOT.glob("fxmem/**/*.py"), *ROOT.glob("fxmem_kernels/**/*.py")]:
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        mods[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+    return mods
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> module it imports, every import counted (function-level ones too; only
+    ``if TYPE_CHECKING:`` blocks are left out: they never run)."""
+    mods = _modules()
+
+    def resolve(name: str) -> str:
+        while name and name not in mods:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    g = nx.DiGraph()
+    for mod, (path, is_pkg) in mods.items():
+        g.add_node(mod)
+        tree = ast.parse(path.read_text())
+        typing_only = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+                       for b in n.body for x in ast.walk(b)}
+        package = mod if is_pkg else mod.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                subs = [f"{base}.{a.name}" for a in node.names]
+                # ``from . import x`` with x a submodule imports x, not (more of) the package
+                targets = subs if all(s in mods for s in subs) else [base, *subs]
+            else:
+                continue
+            for t in targets:
+                r = resolve(t)
+                if r and r != mod:
+                    g.add_edge(mod, r)
+    return g
+
+
+def test_the_import_graph_has_no_cycle():
+    g = import_graph()
+    assert len(g) > 40, "the module scan found too few modules"
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_planner_sits_below_the_backend_and_the_reports():
+    g = import_graph()
+    remat = [m for m in g if m.startswith("fxmem.remat")]
+    assert "fxmem.remat.partition" in remat
+    above = {"fxmem", "fxmem.backend", "fxmem.per_example"}
+    bad = [(m, t) for m in remat for t in nx.descendants(g, m)
+           if t in above or t.startswith(("fxmem.report", "fxmem.per_example", "fxmem.dpsgd"))]
+    assert not bad, f"remat/ reaches up into: {bad}"
+
+
+def test_no_module_level_container_collects_results():
+    """A module-level name bound to an empty list/dict/set (or a counter) is where per-compile
+    results accumulate; constant tables are written out where they are defined."""
+    empty = ("[]", "{}", "set()", "list()", "dict()", "itertools.count()", "count()", "collections.defaultdict(list)",
+             "defaultdict(list)", "weakref.WeakKeyDictionary()", "weakref.WeakValueDictionary()")
+    found = []
+    for mod, (path, _) in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if value is not None and ast.unparse(value) in empty:
+                found.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "module-level containers: " + "; ".join(found)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x))).square().mean()
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.n, self.a = torch.nn.LayerNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.a(self.n(x)).relu().sum()
+
+
+def _graph_modules() -> list[weakref.ref]:
+    gc.collect()
+    return [weakref.ref(o) for o in gc.get_objects() if isinstance(o, fx.GraphModule)]
+
+
+def test_graphs_die_with_their_compiled_function():
+    """Compile several models (levels 0-2, lowering, a budget, a chunked per-example step), run
+    them, delete them and reset Dynamo: every graph module made meanwhile is freed."""
+    torch._dynamo.reset()
+    before = {id(r()) for r in _graph_modules() if r() is not None}
+
+    def train(model, options):
+        compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+        compiled(torch.randn(256, 16)).backward()
+        comps = fxmem.compilations(compiled)
+        assert comps and comps[-1].graphs and comps[-1].graphs[-1].report is not None
+        return [weakref.ref(c) for c in comps]
+
+    records = []
+    records += train(_MLP(), {})
+    records += train(_Norm(), {"level": 1, "lowering": True})
+    records += train(_MLP(), {"level": 2, "memory_budget": 1.0})
+
+    from fxmem.dpsgd import clipped_grad
+
+    w = torch.randn(16, 4)
+    fn = clipped_grad(lambda w, x, y: ((x @ w - y) ** 2).mean(), 1.0, batch_argnums=(1, 2), microbatch_size=4,
+                      options={"inner": "eager"})
+    fn(w, torch.randn(8, 16), torch.randn(8, 4))
+    assert fn.chosen_microbatch_size() == 4
+    records += [weakref.ref(c) for c in fxmem.compilations(fn.compiled)]
+    new = [r for r in _graph_modules() if r() is not None and id(r()) not in before]
+    assert len(new) >= 8, f"expected the compiles to make graph modules, found {len(new)}"
+    del fn, w
+    torch._dynamo.reset()
+    gc.collect()
+    alive = [type(r()).__name__ for r in new if r() is not None]
+    assert not alive, f"{len(alive)} graph modules outlived their compiled functions: {alive}"
+    assert not [r for r in records if r() is not None], "Compilation records outlived their compiled functions"
+
+
+def test_a_second_model_of_a_compiled_class_reports_the_graphs_that_serve_it():
+    """Dynamo serves a second instance of a compiled class from the first one's graphs (its
+    parameters are graph inputs): its report is that graph's, not empty."""
+    torch._dynamo.reset()
+    first, second = _MLP(), _MLP()
+    for m in (first, second):
+        torch.compile(m, backend="fxmem", options={"inner": "eager"})(torch.randn(8, 16)).backward()
+    one, two = fxmem.report(first), fxmem.report(second)
+    assert len(one.graphs) == 1 and len(two.graphs) == 1
+    assert two.graphs[0].saved_expr == one.graphs[0].saved_expr
+
+
+def test_chunk_graphs_are_lowered_on_the_one_compile_path():
+    """Per-example chunk graphs go through pattern lowering like whole graphs."""
+    from fxmem.dpsgd import clipped_grad
+
+    torch._dynamo.reset()
+    norm_w, proj = torch.ones(16), torch.randn(16, 4)
+
+    def loss(params, x, y):
+        h = torch.nn.functional.layer_norm(x, (16,), params["n"])
+        return ((h @ params["p"] - y) ** 2).mean()
+
+    params = {"n": norm_w, "p": proj}
+    fn = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size=4,
+                      options={"inner": "eager", "lowering": True, "ghost_clipping": False})
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    got = fn(params, x, y)
+    lowered = [row.pattern for c in fxmem.compilations(fn.compiled) for g in c.graphs for row in g.report.lowerings]
+    assert "layer_norm" in lowered, lowered
+    from fxmem.testing import per_example_reference
+
+    want, _ = per_example_reference(loss, params, (x, y), 1.0)
+    for k in want:
+        torch.testing.assert_close(got[k].double(), want[k], rtol=1e-5, atol=1e-6)
+
+
+_SCRIPT = """
+import torch
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+step = torch.compile(m, backend="fxmem", options={"inner": "eager"})
+step(torch.randn(2, 4)).sum().backward()
+"""
+
+
+def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env}, cwd=tmp_path)
+
+
+def test_torch_logs_fxmem_prints_each_plan(tmp_path):
+    run = _run(tmp_path, TORCH_LOGS="fxmem")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stderr.count("fxmem memory plan: graph 0, level 0 (compile 0/0)") == 1, run.stderr[-2000:]
+
+
+def test_a_torch_trace_run_holds_the_plan_artifacts(tmp_path):
+    run = _run(tmp_path, TORCH_TRACE=str(tmp_path / "trace"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = "".join(p.read_text() for p in (tmp_path / "trace").glob("*.log"))
+    assert text.count('"name": "fxmem_plan"') == 1, text[:2000]
+    assert '"fxmem_report": 1' in text or '\\"fxmem_report\\": 1' in text
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed (pip install -e '.[test]')")
+def test_ruff_is_clean_with_the_projects_configuration():
+    run = subprocess.run(["ruff", "check", "."], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:]
