@@ -5,11 +5,12 @@
 
 from .backend import fxmem_backend, register
 from .compilation import Compilation, compilations
-from .options import Options, Rule, resolve
+from .options import OptionError, Options, Rule, resolve
+from .remat.budget import BudgetError
 from .report import MemoryReport, explain, report
 from .version import __version__
 
-__all__ = ["Compilation", "MemoryReport", "Options", "Rule", "compilations", "explain", "fxmem_backend", "report",
-           "resolve", "__version__"]
+__all__ = ["BudgetError", "Compilation", "MemoryReport", "OptionError", "Options", "Rule", "compilations", "explain",
+           "fxmem_backend", "report", "resolve", "__version__"]
 
 register()

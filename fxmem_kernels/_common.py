@@ -56,7 +56,7 @@ def launcher(kernel, x: torch.Tensor):
     return _interpreted(kernel)
 
 
-def _take(args, in_dims, i):
+def take_example(args, in_dims, i):
     return [a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]
 
 
@@ -71,7 +71,7 @@ def loop_vmap(op) -> Callable:
     backward ops need (a parameter's gradient must stay per example under ``vmap(grad)``)."""
 
     def rule(info, in_dims, *args, **kwargs):
-        return _stack([op(*_take(args, in_dims, i), **kwargs) for i in range(info.batch_size)])
+        return _stack([op(*take_example(args, in_dims, i), **kwargs) for i in range(info.batch_size)])
 
     return rule
 

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ._common import HAS_TRITON, _take, launcher, loop_vmap, once_differentiable, use_triton
+from ._common import HAS_TRITON, launcher, loop_vmap, once_differentiable, take_example, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -471,13 +471,13 @@ def _loop_into(op, impl, outputs):
         in_dims, args = _full_args(impl, in_dims, args)
         if not _plain(args) or info.batch_size == 0:
             return fallback(info, in_dims, *args)
-        first = outputs(*_take(args, in_dims, 0))  # meta tensors: shapes and dtypes
+        first = outputs(*take_example(args, in_dims, 0))  # meta tensors: shapes and dtypes
         dev = next(a.device for a in args if isinstance(a, Tensor))
         outs = tuple(torch.empty((info.batch_size, *x.shape), dtype=x.dtype, device=dev)
                      if x.numel() else torch.empty(0, dtype=x.dtype, device=dev) for x in first)
         dims = tuple(0 if x.numel() else None for x in first)
         for i in range(info.batch_size):
-            impl(*_take(args, in_dims, i), out=tuple(x[i] if d == 0 else x
+            impl(*take_example(args, in_dims, i), out=tuple(x[i] if d == 0 else x
                                                      for x, d in zip(outs, dims)))
         return outs, dims
 
