@@ -162,7 +162,8 @@ def md_header(meta: dict) -> str:
     dirty = commit.endswith("-dirty")
     commit = commit[:-len("-dirty")] if dirty else commit
     pk = meta.get("packages", {})
-    soft = f"torch {meta.get('torch')}" + "".join(f", {k} {pk[k]}" for k in ("transformers", "opacus", "opake") if k in pk)
+    soft = f"torch {meta.get('torch')}" + "".join(
+        f", {k} {pk[k]}" for k in ("transformers", "opacus", "opake") if k in pk)
     cpus = f"{m.get('cpu') or 'unknown CPU'}, {m.get('cpu_count')} CPUs"
     if m.get("cpu_affinity") and m.get("cpu_affinity") != m.get("cpu_count"):
         cpus += f" ({m['cpu_affinity']} usable)"
@@ -214,8 +215,9 @@ def write_results(name: str, results: list[dict] | dict, markdown: str, out_dir:
 # --- the command line ----------------------------------------------------------------------
 
 
-def parser(description: str | None, *, name: Any = REQUIRED, models: Any = None, known_models: Sequence[str] | None = None,
-           quick: bool = True, threads: int | None = 1, device: str | None = None, out_dir: bool = True,
+def parser(description: str | None, *, name: Any = REQUIRED, models: Any = None,
+           known_models: Sequence[str] | None = None, quick: bool = True, threads: int | None = 1,
+           device: str | None = None, out_dir: bool = True,
            script: str | os.PathLike | None = None) -> argparse.ArgumentParser:
     """An argument parser with the flags the bench scripts share; add a script's own flags to it.
 

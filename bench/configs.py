@@ -227,7 +227,8 @@ KINDS: dict[str, Callable[[Any, Config], Any]] = {
 CONFIGS: list[Config] = [
     Config("eager", "eager", description="plain PyTorch, no compile"),
     Config("eager+hf_ckpt", "hf_ckpt", description="HF gradient checkpointing (use_reentrant=False) per layer"),
-    Config("aot_eager", "aot_eager", description="torch's aot_eager backend (in torch 2.13 it uses the min-cut partitioner)"),
+    Config("aot_eager", "aot_eager",
+           description="torch's aot_eager backend (in torch 2.13 it uses the min-cut partitioner)"),
     Config("aot_eager_plain", "aot_eager_plain",
            description="aot_eager with the default partitioner: saves what the forward computed, recomputes nothing"),
     Config("mincut_eager", "mincut_eager",
@@ -278,7 +279,8 @@ def budget_config(base: Config, fraction: float) -> Config:
                       description=f"fxmem level 0, {_pretty(base.options['inner'])} inner compiler, memory_budget = "
                                   f"{fraction} (fraction of level 0's saved bytes)")
     return Config(f"{base.name}+budget{fraction}", base.kind, {"activation_memory_budget": fraction},
-                  description=f"{_pretty(base.name)} with torch._functorch.config.activation_memory_budget = {fraction}")
+                  description=f"{_pretty(base.name)} with torch._functorch.config.activation_memory_budget = "
+                              f"{fraction}")
 
 
 _BY_NAME = {c.name: c for c in CONFIGS}

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from dpsgd_models import gpt, per_example_loss  # noqa: E402
+
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.options import parse_bytes  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402

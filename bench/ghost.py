@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from dpsgd import rel_err  # noqa: E402
 from dpsgd_models import gpt, per_example_loss  # noqa: E402
+
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
@@ -186,7 +187,8 @@ def run(args) -> tuple[list[dict], dict]:
         row["times"] = []
         rows.append(row)
         check = "" if "rel_err" not in row else f"  {'ok' if row['ok'] else 'MISMATCH'} ({row['rel_err']:.1e})"
-        print(f"    peak {row['peak_bytes'] / MIB:8.1f} MiB{check}  [first call {row['first_call_s']:.1f} s]", flush=True)
+        print(f"    peak {row['peak_bytes'] / MIB:8.1f} MiB{check}  [first call {row['first_call_s']:.1f} s]",
+              flush=True)
 
     print(f"timing: {args.steps} steps per variant, interleaved ...", flush=True)
     for s in range(args.steps + 1):
@@ -234,7 +236,9 @@ def _markdown(rows, meta) -> str:
              "variants interleaved. Clipped sums are checked against an explicit per-example reference "
              "(max relative error per parameter); Opacus clips with C / (norm + 1e-6), fxmem with "
              "C' / norm (C' = C less a few ULPs): about 1e-6 / norm apart on clipped examples.",
-             "", "| variant | clipped sum | peak MiB | vs non-private | vs Opacus | ms | vs non-private | vs Opacus | first call s |",
+             "",
+             "| variant | clipped sum | peak MiB | vs non-private | vs Opacus | ms | vs non-private | vs Opacus "
+             "| first call s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         check = "-" if "rel_err" not in r else f"{'ok' if r['ok'] else 'MISMATCH'} ({r['rel_err']:.1e})"
@@ -251,7 +255,8 @@ def _markdown(rows, meta) -> str:
         if not plan or not plan.get("ghost"):
             continue
         lines += ["", f"## Per-layer decisions: {r['variant']}", "",
-                  "| parameter | kind | per-example gradient | T | 2T^2 vs P*Q | choice |", "|---|---|---|---:|---|---|"]
+                  "| parameter | kind | per-example gradient | T | 2T^2 vs P*Q | choice |",
+                  "|---|---|---|---:|---|---|"]
         for d in plan["ghost"]:
             name = names[d["output"]] if 0 <= d["output"] < len(names) else (d.get("param") or f"output {d['output']}")
             shape = "x".join(str(x) for x in d["shape"])
@@ -277,7 +282,8 @@ def main(argv=None) -> int:
                                  extra={"run": run_info})
     print("targets:", flush=True)
     for t in run_info["targets"]:
-        print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'} ({t['value']:.3g} vs {t['limit']:.3g})", flush=True)
+        print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'} ({t['value']:.3g} vs {t['limit']:.3g})",
+              flush=True)
     print(f"wrote {jp} and .md ({run_info['wall_s']:.0f} s)", flush=True)
     return 0 if all(t["met"] for t in run_info["targets"]) else 1
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from kernel_cases import all_cases  # noqa: E402
+
 from fxmem.profiling import step_perf  # noqa: E402
 
 MIB = 2**20
@@ -80,8 +81,8 @@ def run_case(case, steps: int, device: str) -> list[dict]:
 
 def _markdown(rows, meta) -> str:
     lines = [f"# Kernel benchmark: {meta['name']}", "",
-             f"Device `{meta['device']}`, {meta['threads']} torch thread(s); time = median of {meta['steps']} steps after "
-             "warm-up, variants interleaved; peak = exact peak of one forward + backward above "
+             f"Device `{meta['device']}`, {meta['threads']} torch thread(s); time = median of {meta['steps']} steps "
+             "after warm-up, variants interleaved; peak = exact peak of one forward + backward above "
              "what was live before it. Ratios are against the first (unfused) variant of each case.",
              "", "| family | case | variant | grads | peak MiB | peak ratio | ms | time ratio | targets |",
              "|---|---|---|---|---:|---:|---:|---:|---|"]

@@ -172,7 +172,8 @@ def markdown(doc: dict) -> str:
         "(gradients included, parameters not). Ratios are to `eager` of the same model. "
         f"Inductor cache: `{run.get('cache')}`. See bench/README.md.",
         "",
-        "| model | config | peak MiB | peak / eager | after fwd MiB | step ms | time / eager | compile s | graphs | loss & grad vs eager |",
+        "| model | config | peak MiB | peak / eager | after fwd MiB | step ms | time / eager | compile s | graphs "
+        "| loss & grad vs eager |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     notes = []
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(configs.DEFAULT_CONFIGS),
                    help="comma-separated names or 'name:{json options}'; known: " + ", ".join(configs.REGISTRY))
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 5, --quick 2)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps incl. the compiling one (default 2, --quick 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps incl. the compiling one (default 2, --quick 1)")
     p.add_argument("--mem-steps", type=int, default=1, help="profiled steps for the peak (default 1)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
     p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         "run": {
             "name": name,
             "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
-            "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device, "cache": a.cache,
+            "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device,
+            "cache": a.cache,
             "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},
             "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
         },

@@ -159,7 +159,8 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
 
 
 # fxmem's compile-time error for a memory budget below its feasible floor (fxmem/remat/plan.py).
-_INFEASIBLE = re.compile(r"is infeasible; the smallest feasible budget is (\d+) bytes \(([0-9.]+) of level (\d+)'s (\d+)\)")
+_INFEASIBLE = re.compile(r"is infeasible; the smallest feasible budget is (\d+) bytes "
+                         r"\(([0-9.]+) of level (\d+)'s (\d+)\)")
 
 
 def error_result(model: str, spec: str, e: BaseException) -> dict:

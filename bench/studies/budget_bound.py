@@ -226,7 +226,8 @@ def markdown(name: str, results: list[dict]) -> str:
     for r in results:
         out += [f"**{r['model']}** ({', '.join(f'{k}={v}' for k, v in r['model_kwargs'].items())}): "
                 f"step {r['step_flops'] / 1e9:.1f} GFLOP; fxmem level 0 keeps {r['level0_bytes']:,} bytes.", "",
-                "| fraction | cap bytes | bound GFLOP (% step) | fxmem bytes | fxmem GFLOP | fxmem / bound | torch GFLOP "
+                "| fraction | cap bytes | bound GFLOP (% step) | fxmem bytes | fxmem GFLOP | fxmem / bound "
+                "| torch GFLOP "
                 "| bound ms | fxmem ms | torch ms | torch recomputes |",
                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for row in r["rows"]:
@@ -234,7 +235,8 @@ def markdown(name: str, results: list[dict]) -> str:
             fxb = f"{row['fxmem_bytes']:,}" if "fxmem_bytes" in row else "infeasible"
             ratio = f"{fx_ / b:.2f}" if fx_ is not None and b not in (0, float("inf")) else ""
             total = r["step_flops"]
-            out.append(f"| {row['fraction']} | {row['cap_bytes']:,} | {g(b, total)} | {fxb} | {g(fx_, total)} | {ratio} | "
+            out.append(f"| {row['fraction']} | {row['cap_bytes']:,} | {g(b, total)} | {fxb} | {g(fx_, total)} "
+                       f"| {ratio} | "
                        f"{g(t['recompute_flops'], total)} | {ms(row.get('bound_ns'))} | {ms(row.get('fxmem_ns'))} | "
                        f"{ms(t.get('recompute_ns'))} | {', '.join(t['recomputed_heavy']) or 'none'} |")
         out.append("")

@@ -77,7 +77,8 @@ def measure(model_name: str, quick: bool, budget) -> dict:
 
 def run(model_name: str, fractions: list[float], quick: bool) -> dict:
     refused = measure(model_name, quick, 0.01)
-    found = re.search(r"smallest feasible budget is (\d+) bytes \(([0-9.]+) of level 0's (\d+)\)", refused.get("error", ""))
+    found = re.search(r"smallest feasible budget is (\d+) bytes \(([0-9.]+) of level 0's (\d+)\)",
+                      refused.get("error", ""))
     if not found:
         raise RuntimeError(f"{model_name}: expected a BudgetError naming the floor, got {refused}")
     floor_bytes, level0 = int(found.group(1)), int(found.group(3))
@@ -92,8 +93,8 @@ def run(model_name: str, fractions: list[float], quick: bool) -> dict:
 
 def markdown(name: str, results: list[dict]) -> str:
     out = [f"# Below the budget floor: `{name}`", "",
-           "Eager inner compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make if a budget "
-           "could rerun the vocabulary projection in the backward (it cannot).", ""]
+           "Eager inner compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make if a "
+           "budget could rerun the vocabulary projection in the backward (it cannot).", ""]
     for r in results:
         out += [f"**{r['model']}**: level 0 keeps {r['level0_bytes']:,} bytes; floor {r['floor_bytes']:,}.", "",
                 "| budget | saved bytes | measured peak MiB | predicted MiB | peak at | largest alive (MiB) |",

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+
 import fxmem  # noqa: E402
 from fxmem.models import build  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
@@ -80,7 +81,8 @@ def markdown(name: str, results: list[dict]) -> str:
     worst = max(abs(s["error"]) for r in results for s in r["shapes"])
     lines += ["", f"Largest error: {worst:.3%} (target: within 10%).", "",
               f"## max_batch (sequence {SEQ_FOR_CAPS})", "",
-              "| model | plan | cap MiB | max_batch | measured MiB at max_batch | fits | predicted MiB at max_batch+1 | exceeds |",
+              "| model | plan | cap MiB | max_batch | measured MiB at max_batch | fits "
+              "| predicted MiB at max_batch+1 | exceeds |",
               "|---|---|---:|---:|---:|---|---:|---|"]
     for r in results:
         for c in r["caps"]:

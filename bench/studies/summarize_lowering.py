@@ -24,7 +24,8 @@ PAIRS = (  # lowered, against
     ("fxmem-inductor+lowering+loss_only", "fxmem-inductor+loss_only"),
     ("fxmem-eager+lowering", "fxmem-eager"),
 )
-PATTERNS = """Patterns lowered, from fxmem's report of the `+lowering+loss_only` compile at these shapes (count; saved-for-backward bytes
+PATTERNS = """Patterns lowered, from fxmem's report of the `+lowering+loss_only` compile at these \
+shapes (count; saved-for-backward bytes
 saved = what autograd keeps for the unfused pattern minus the fused one):
 
 | model | pattern | count | bytes saved |
@@ -36,8 +37,10 @@ saved = what autograd keeps for the unfused pattern minus the fused one):
 | hf_llama | `swiglu` | 4 | 33,554,432 |
 | hf_llama | `rms_norm` | 9 | 18,874,368 |
 
-Dropout does not occur (p = 0 in these configurations; AOTAutograd removes it), GeGLU neither. tests/test_lowering.py checks
-the counts and the numbers at small shapes. The fused norm, activation and dropout ops are recomputable like the ops they
+Dropout does not occur (p = 0 in these configurations; AOTAutograd removes it), GeGLU neither. \
+tests/test_lowering.py checks
+the counts and the numbers at small shapes. The fused norm, activation and dropout ops are recomputable like the \
+ops they
 replace (fxmem/remat/allowlist.py), so the planner keeps no more of them than of the unfused ones."""
 
 
@@ -56,8 +59,9 @@ def targets(doc: dict, notes: list[str]) -> str:
             ok = peak <= PEAK_MAX and med <= TIME_MAX and a["check"] == "ok"
             rows.append(f"| {model} | `{lowered}` | `{base}` | {peak:.2f} | {text} | {a['check']} | {_pf(ok)} |")
     head = [HEADING, "",
-            f"Written by `python bench/studies/summarize_lowering.py` from the JSON of this run. Each lowered configuration "
-            f"against the same configuration without lowering (same inner compiler, same level): peak at most "
+            f"Written by `python bench/studies/summarize_lowering.py` from the JSON of this run. Each lowered "
+            f"configuration against the same configuration without lowering (same inner compiler, same level): "
+            f"peak at most "
             f"{PEAK_MAX}x, median step time at most {TIME_MAX}x; loss within 1e-5 and gradient norm within 1e-4 of "
             "eager. `+loss_only` compiles the model returning only its loss; the last row of each model is the HF "
             "model as is, which also returns its logits: they are computed once, for the output and the fused loss, "

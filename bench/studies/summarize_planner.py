@@ -160,9 +160,9 @@ def level1(res: Results, models: list[str], tally: dict) -> list[str]:
 def sweep(res: Results, models: list[str], tally: dict) -> list[str]:
     out = ["### Budget sweep vs torch's `activation_memory_budget` at the same fraction", "",
            "fxmem: `memory_budget` = fraction of level 0's saved bytes; Inductor: `activation_memory_budget` "
-           "(a fraction of its own min-cut plan's). Row 1.0 is level 0 vs the baseline without a budget (the reference the "
-           "sweep starts from; its peak/time columns are not targets). \"monotone\": peak <= the previous "
-           "feasible row's (higher fraction). \"pass\": monotone, peak <= Inductor's and median time <= "
+           "(a fraction of its own min-cut plan's). Row 1.0 is level 0 vs the baseline without a budget (the "
+           "reference the sweep starts from; its peak/time columns are not targets). \"monotone\": peak <= the "
+           "previous feasible row's (higher fraction). \"pass\": monotone, peak <= Inductor's and median time <= "
            "Inductor's. The baseline runs torch's min-cut partitioner with `activation_memory_budget` under the "
            "same inner compiler as fxmem (`mincut_eager+budget<f>` for the eager one; runs without those "
            "configs compare the eager inner compiler against Inductor).", ""]
@@ -225,12 +225,13 @@ def pareto(res: Results, models: list[str]) -> list[str]:
            "min-cut), so this compares the two memory/time curves directly: for each of torch's "
            "configurations, among fxmem's (level 0, level 1 and every budget, same inner compiler) whose peak "
            "is at most torch's, the one with the lowest time ratio.", "",
-           "| model | inner | torch config | torch peak MiB | fxmem config | fxmem peak MiB | time ratio (median; min) | "
-           "dominated |", "|---|---|---|---:|---|---:|---:|---|"]
+           "| model | inner | torch config | torch peak MiB | fxmem config | fxmem peak MiB "
+           "| time ratio (median; min) | dominated |", "|---|---|---|---:|---|---:|---:|---|"]
     for m in models:
         for inner, (label, base) in INNERS.items():
             budget_base = base if res.has(m, f"{base}+budget0.9") else "inductor"
-            ours = [f"fxmem-{inner}", f"fxmem-{inner}-level1"] + [f"fxmem-{inner}+budget{_fmt_frac(f)}" for f in FRACTIONS]
+            ours = [f"fxmem-{inner}", f"fxmem-{inner}-level1"] + [
+                f"fxmem-{inner}+budget{_fmt_frac(f)}" for f in FRACTIONS]
             for theirs in [base] + [f"{budget_base}+budget{_fmt_frac(f)}" for f in FRACTIONS]:
                 t = res.get(m, theirs)
                 if t is None:
