@@ -80,21 +80,35 @@ def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = No
     function, or the module itself), oldest first.
 
     A record belongs to a module when its graph took one of the module's parameters (or one of
-    ``match``'s tensors) as an input. When none does, e.g. a second instance of an already
-    compiled class, whose calls Dynamo serves from the first one's graphs, every record found
-    through the module's code is returned. With no argument: every live record in this process.
+    ``match``'s tensors) as an input: every live record is searched, so graphs of frames that a
+    graph break left on their own (a nested function's, e.g. a loss) count too. When none
+    belongs, e.g. for a second instance of an already compiled class, whose calls Dynamo serves
+    from the first one's graphs, the records of the graphs Dynamo runs for the module's code
+    are returned. With ``match`` for a function, only those are searched (no scan of the heap:
+    cheap enough to call every step). With no argument: every live record in this process.
     """
     if compiled is None:
-        found = [o for o in gc.get_objects() if type(o) is Compilation]  # type(): weak proxies raise on isinstance
-    else:
-        found = list({id(c): c for c in _cached(_roots(compiled))}.values())
-    if match is None and compiled is not None:
+        return _live()
+    if match is None:
         module = getattr(compiled, "_orig_mod", compiled)
-        params = getattr(module, "parameters", None)
-        match = params() if isinstance(module, torch.nn.Module) else None
-    ids = {id(t) for t in match} if match is not None else set()
-    mine = [c for c in found if c.inputs & ids]
-    return sorted(mine or found, key=lambda c: c.created_ns)
+        if isinstance(module, torch.nn.Module):
+            ids = {id(t) for t in module.parameters()}
+            mine = [c for c in _live() if c.inputs & ids] if ids else []
+            return mine or _by_code(compiled)
+        return _by_code(compiled)
+    ids = {id(t) for t in match}
+    found = _by_code(compiled)
+    return [c for c in found if c.inputs & ids] or found
+
+
+def _live() -> list[Compilation]:
+    found = [o for o in gc.get_objects() if type(o) is Compilation]  # type(): weak proxies raise on isinstance
+    return sorted(found, key=lambda c: c.created_ns)
+
+
+def _by_code(compiled: Any) -> list[Compilation]:
+    found = {id(c): c for c in _cached(_roots(compiled))}
+    return sorted(found.values(), key=lambda c: c.created_ns)
 
 
 def _roots(compiled: Any) -> list[tuple[Any, dict]]:
