@@ -20,6 +20,7 @@ import torch.fx as fx
 from . import inner, lowering, per_example
 from .compilation import Compilation, Compiled
 from .fallback import stage_failed
+from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
 from .options import OptionError, Options, resolve
 from .remat.partition import Partitioner
@@ -32,6 +33,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
     """``torch.compile(model, backend="fxmem", options={...})``."""
     opts = _options(options, kwargs)
+    ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
     comp = Compilation(opts, Inputs(example_inputs), _compile_id())
     compiled = _per_example(gm, example_inputs, comp) or _whole(gm, example_inputs, comp)
@@ -106,7 +108,7 @@ def _compile_id():
 
 def register() -> None:
     """Register ``fxmem`` with Dynamo (the entry point does this without an import) and with
-    ``TORCH_LOGS`` (``TORCH_LOGS=fxmem``)."""
+    ``TORCH_LOGS`` (``TORCH_LOGS=fxmem``); keep HF's once-only warnings from breaking graphs."""
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
     from .logs import register_logs
@@ -114,3 +116,4 @@ def register() -> None:
     if "fxmem" not in _BACKENDS:
         register_backend(name="fxmem")(fxmem_backend)
     register_logs()
+    ignore_once_warnings()

@@ -29,11 +29,14 @@ from __future__ import annotations
 import math
 import numbers
 import types
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.func import grad_and_value, vmap
 from torch.utils import _pytree as pytree
+
+from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
 
 __all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
 
@@ -207,8 +210,10 @@ class ClippedGradFn:
         self._grad_argnums = grad_argnums
         self._step = _make_step(loss_fn, clipping_norm, grad_argnums, batch_argnums,
                                 return_norms, return_losses)
+        ignore_once_warnings()  # HF's logger.warning_once would split the vmap region
         self.compiled = torch.compile(self._step, backend="fxmem", options=options)
         self.plans: list = []  # fxmem.per_example.ChunkPlan of every compile of this step
+        self._warned = False
 
     def __repr__(self) -> str:
         return (f"ClippedGradFn(clipping_norm={self.clipping_norm}, argnums={self.argnums}, "
@@ -243,6 +248,7 @@ class ClippedGradFn:
         batch = self.batch_size(args)
         if batch == 0:
             return self._empty(args)
+        breaks = break_count()
         # The result is a clipped gradient, not something to differentiate again: running the
         # compiled step without autograd tracking gives AOTAutograd a forward-only graph (and
         # the per-example pass chunks only such graphs).
@@ -252,6 +258,13 @@ class ClippedGradFn:
         for c in compilations(self.compiled, match=params):  # what the per-example pass decided
             if c.chunk_plan is not None and all(p is not c.chunk_plan for p in self.plans):
                 self.plans.append(c.chunk_plan)
+        if self.microbatch_size is not None and not self._warned and self.chosen_microbatch_size() is None:
+            self._warned = True  # once: the same step would say the same every call
+            why = (self.plans[-1].reason if self.plans and self.plans[-1].reason else
+                   "no whole vmap(grad) region reached fxmem's backend (graph breaks: "
+                   f"{'; '.join(breaks_since(breaks)) or 'none counted; was the step served by a cache?'})")
+            warnings.warn(f"fxmem clipped_grad: microbatch_size={self.microbatch_size!r} was asked for, but "
+                          f"the step runs unchunked: {why}", RuntimeWarning, stacklevel=2)
         if not self.return_norms and not self.return_losses:
             return out[0]
         return out

@@ -31,13 +31,24 @@ def report(compiled: Any = None) -> MemoryReport:
 
 
 def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) -> MemoryReport:
-    """Compile ``model`` with fxmem (``dynamic=True``), run one training step, return its report."""
+    """Compile ``model`` with fxmem (``dynamic=True``), run one training step, return its report.
+    Warns when graph breaks split the step (each piece is planned on its own)."""
+    import warnings
+
     import torch
 
+    from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
+
+    ignore_once_warnings()
+    breaks = break_count()
     compiled = torch.compile(model, backend="fxmem", dynamic=True, options=dict(options or {}))
     out = compiled(**batch)
     loss = getattr(out, "loss", out)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
         raise ValueError("explain: the model's output (or its .loss) must be a scalar loss tensor")
     loss.backward()
+    reasons = breaks_since(breaks)
+    if reasons:
+        warnings.warn(f"fxmem.explain: graph breaks split the step into graphs planned one by one: "
+                      f"{'; '.join(reasons)}", RuntimeWarning, stacklevel=2)
     return report(compiled)
