@@ -14,6 +14,7 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
@@ -31,16 +32,16 @@ def ignore_once_warnings(*_: object) -> None:
         handler.register_start_callback(ignore_once_warnings)
 
 
-def break_count() -> int:
+def break_count() -> Counter:
+    """Dynamo's graph-break reasons so far, with their counts (pass it to :func:`breaks_since`)."""
     from torch._dynamo.utils import counters
 
-    return sum(counters["graph_break"].values())
+    return Counter(counters["graph_break"])
 
 
-def breaks_since(count: int) -> list[str]:
-    """The reasons of the graph breaks Dynamo counted after ``count`` of them (most frequent first)."""
+def breaks_since(before: Counter) -> list[str]:
+    """The reasons of the graph breaks Dynamo counted since ``before`` (most frequent first)."""
     from torch._dynamo.utils import counters
 
-    if break_count() <= count:
-        return []
-    return [reason.splitlines()[0][:200] for reason, _ in counters["graph_break"].most_common()]
+    new = Counter(counters["graph_break"]) - before
+    return [reason.splitlines()[0][:200] for reason, _ in new.most_common()]
