@@ -18,10 +18,16 @@ import torch.fx as fx
 from ..options import OptionError
 
 _SOURCE = re.compile(r"\['([^'\]]+)'\]\.size\(\)\[(\d+)\]$")
+_POSITIONAL = re.compile(r"\['args'\]\[(\d+)\]\.size\(\)\[(\d+)\]$")
 
 
 def readable(source_name: str) -> str:
-    """``L['kwargs']['input_ids'].size()[0]`` -> ``input_ids.size(0)``."""
+    """``L['kwargs']['input_ids'].size()[0]`` -> ``input_ids.size(0)``; a positional argument of a
+    module's call, ``L['args'][0].size()[1]``, -> ``args[0].size(1)`` (``fxmem.report`` names it
+    after the module's ``forward`` parameter)."""
+    m = _POSITIONAL.search(source_name)
+    if m:
+        return f"args[{m.group(1)}].size({m.group(2)})"
     m = _SOURCE.search(source_name)
     return f"{m.group(1)}.size({m.group(2)})" if m else source_name
 

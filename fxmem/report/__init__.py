@@ -24,10 +24,27 @@ def report(compiled: Any = None) -> MemoryReport:
 
     comps = compilations(compiled)
     graphs = [g for c in comps for g in c.graphs if g.report is not None]
-    return MemoryReport([g.report for g in graphs], [g.plan for g in graphs],
+    names = _positional_names(compiled)
+    return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in u.rows()], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings])
+
+
+def _positional_names(compiled: Any) -> list[str]:
+    """The names of a module's ``forward`` parameters, for inputs Dynamo saw as ``args[i]``."""
+    import inspect
+
+    import torch
+
+    module = getattr(compiled, "_orig_mod", compiled)
+    if not isinstance(module, torch.nn.Module):
+        return []
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) -> MemoryReport:

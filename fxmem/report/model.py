@@ -8,7 +8,8 @@ so ``predict_peak`` and ``max_batch`` work at any shape, from a live compile or 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any, Mapping
 
@@ -18,6 +19,7 @@ from ..graph.liveness import Event, evaluate, peak, step_schedules
 from ..options import parse_bytes
 
 SCHEMA_VERSION = 1
+_ARGS = re.compile(r"\bargs\[(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,19 @@ class GraphReport:
     lowerings: list[LoweringRow] = field(default_factory=list)  # patterns lowered to fused kernels
     lowering_notes: list[str] = field(default_factory=list)  # patterns found but left alone, and why
     compile_id: str = ""  # Dynamo's compile ("0/1") this graph came from; index counts within it
+
+    def with_names(self, positional: list[str]) -> "GraphReport":
+        """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
+        ``positional[i]`` instead (the module's ``forward`` parameters)."""
+        def name(text: str) -> str:
+            return _ARGS.sub(lambda m: positional[int(m.group(1))] if int(m.group(1)) < len(positional)
+                             else m.group(0), text)
+
+        if not positional or not any(_ARGS.search(n) for n in self.symbols.values()):
+            return self
+        return replace(self, symbols={s: name(n) for s, n in self.symbols.items()},
+                       saved_formula=name(self.saved_formula),
+                       clusters=[replace(c, saving_formula=name(c.saving_formula)) for c in self.clusters])
 
     def values_at(self, **shapes: Any) -> dict[str, int]:
         """Symbol values for shapes given by input name: ``input_ids=(64, 2048)``, or by symbol."""
