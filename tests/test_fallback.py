@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-import fxmem.backend
+import fxmem
+import fxmem.inner
 import fxmem.per_example
 import fxmem.remat.partition
 from fxmem.testing import ModelSpec, assert_same_training_step, build
@@ -29,7 +30,7 @@ def _once(real):
 STAGES = {
     "plan": lambda mp: mp.setattr(fxmem.remat.partition, "plan", _boom),
     "split": lambda mp: mp.setattr(fxmem.remat.partition, "split", _once(fxmem.remat.partition.split)),
-    "compile": lambda mp: mp.setattr(fxmem.backend, "_compile", _boom),
+    "compile": lambda mp: mp.setattr(fxmem.inner, "compile_joint", _boom),
 }
 
 
@@ -50,7 +51,10 @@ def _compare_without_records(model, inputs):
     import copy
     ref, test = copy.deepcopy(model), copy.deepcopy(model)
     torch._dynamo.reset()
-    loss = torch.compile(test, backend="fxmem", options={"inner": "eager"})(**inputs)
+    compiled = torch.compile(test, backend="fxmem", options={"inner": "eager"})
+    loss = compiled(**inputs)
+    comps = fxmem.compilations(compiled)
+    assert comps and not any(c.graphs for c in comps)  # a compile that fell back planned nothing
     grads = torch.autograd.grad(loss, list(test.parameters()))
     ref_grads = torch.autograd.grad(ref(**inputs), list(ref.parameters()))
     for a, b in zip(grads, ref_grads):
@@ -69,7 +73,7 @@ def test_strict_raises_the_stage_error(stage, monkeypatch):
 
 
 def test_failing_per_example_stage_runs_unchunked(monkeypatch):
-    monkeypatch.setattr(fxmem.per_example, "split", _boom)
+    monkeypatch.setattr(fxmem.per_example, "split_region", _boom)
     model = torch.nn.Linear(4, 3)
     params = {k: v.detach() for k, v in model.named_parameters()}
 

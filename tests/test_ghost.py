@@ -181,7 +181,7 @@ def test_report_records_each_decision():
     assert "ghost clipping: 6 of 7 per-example weight gradients never materialized" in text
     assert "args_0_wpe_weight (embedding, 5x8, T=5): materialize (2*T^2 = 50 > P*Q = 40" in text
     assert "args_0_head_weight (linear, 40x8, T=5): ghost (2*T^2 = 50 <= P*Q = 320)" in text
-    rep = fxmem.report()
+    rep = fxmem.report(fn.compiled)
     assert rep.per_example[-1]["ghost"] == summary["ghost"]
     assert "ghost clipping" in str(rep)
 

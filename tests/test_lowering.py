@@ -14,7 +14,6 @@ from torch.func import functional_call, grad, vmap
 
 import fxmem
 from fxmem import inner
-from fxmem.backend import COMPILES
 from fxmem.lowering import PATTERNS
 from fxmem.models import build
 from fxmem.options import LOWERING_PATTERNS, OptionError
@@ -81,7 +80,7 @@ def test_hf_training_step_lowers_every_pattern_and_equals_eager(name):
     assert _counts(g) == COUNTS[name]
     lce = next(r for r in g.lowerings if r.pattern == "fused_linear_cross_entropy")
     assert any("graph output" in n for n in lce.notes)  # the logits are kept for the output
-    split = COMPILES[-1].splits[-1]
+    split = fxmem.compilations(compiled)[-1].graphs[-1].split
     fw_ops, bw_ops = FUSED[name]
     assert fw_ops <= _fused_ops(split.fw) and bw_ops <= _fused_ops(split.bw)
     assert "linear_backward_unless_zero" in _fused_ops(split.bw)  # the returned logits'
@@ -118,11 +117,12 @@ def test_returned_logits_get_their_gradient_whether_used_or_not(bias, use_logits
         return loss, logits
 
     ref = step(ref_model)
-    out = step(torch.compile(model, backend="fxmem", options=ON))
+    compiled = torch.compile(model, backend="fxmem", options=ON)
+    out = step(compiled)
     torch.testing.assert_close(out, ref)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    assert "linear_backward_unless_zero" in _fused_ops(COMPILES[-1].splits[-1].bw)
+    assert "linear_backward_unless_zero" in _fused_ops(fxmem.compilations(compiled)[-1].graphs[-1].split.bw)
 
 
 def test_loss_only_never_materializes_logits_and_lowers_the_peak(monkeypatch):
@@ -150,9 +150,10 @@ def test_loss_only_never_materializes_logits_and_lowers_the_peak(monkeypatch):
             loss.backward()
         peaks[lowering], losses[lowering] = perf.result.peak_bytes, loss.item()
         # the report's prediction counts the fused cross-entropy's chunk of logits (its scratch)
-        predicted = COMPILES[-1].records[-1].report.predict_peak()
+        last = fxmem.compilations(compiled)[-1].graphs[-1]
+        predicted = last.report.predict_peak()
         assert abs(predicted - peaks[lowering]) <= 0.01 * peaks[lowering], (lowering, predicted, peaks[lowering])
-        split = COMPILES[-1].splits[-1]
+        split = last.split
         logits_sized = [n.name for n in [*split.fw.graph.nodes, *split.bw.graph.nodes]
                         if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() == tokens * vocab]
         assert bool(logits_sized) != lowering, logits_sized
@@ -179,13 +180,14 @@ def test_per_example_gradients_get_fused_cross_entropy_and_norms(name, monkeypat
     per_example = vmap(grad(loss), in_dims=(None, 0, 0))
     graphs, real = [], inner.eager
     monkeypatch.setattr(inner, "eager", lambda gm, ins: (graphs.append(gm), real(gm, ins))[1])
-    # ghost_clipping off: the region compiles in backend._compile (with ghost clipping on, vmap
-    # regions go through per_example's chunk compiler, which does not lower patterns yet)
+    # ghost_clipping off: the region compiles as a whole graph (with ghost clipping on, vmap
+    # regions go through the backend's chunk compiler, which lowers them too)
     opts = {"inner": "eager", "ghost_clipping": False}
     ref = torch.compile(per_example, backend="fxmem", options=opts)(params, ids, labels)
     assert not _fused_ops(graphs[-1])
     torch._dynamo.reset()
-    out = torch.compile(per_example, backend="fxmem", options={**opts, "lowering": True})(params, ids, labels)
+    fn = torch.compile(per_example, backend="fxmem", options={**opts, "lowering": True})
+    out = fn(params, ids, labels)
     for k in ref:
         assert out[k].shape == (8, *params[k].shape)
         assert _rel(out[k], ref[k]) <= 1e-4, k
@@ -194,7 +196,7 @@ def test_per_example_gradients_get_fused_cross_entropy_and_norms(name, monkeypat
     assert {"linear_cross_entropy", "linear_cross_entropy_backward", norm, f"{norm}_backward"} <= ops
     n_bwd = sum(str(n.target).startswith("fxmem.linear_cross_entropy_backward") for n in graphs[-1].graph.nodes)
     assert n_bwd == 8  # one per example: per-example weight gradients
-    rows = fxmem.report().unplanned_lowerings[-1]["rows"]  # no outer backward: nothing planned
+    rows = fxmem.report(fn).unplanned_lowerings[-1]["rows"]  # no outer backward: nothing planned
     counts = {r["pattern"]: r["count"] for r in rows}
     assert counts["fused_linear_cross_entropy"] == 1 and counts[norm] == 3
     assert all(any("vmap" in n for n in r["notes"]) for r in rows)
@@ -267,11 +269,10 @@ def test_options_turn_patterns_off():
              ({"lowering": {"fused_linear_cross_entropy": False, "swiglu": False}}, {"rms_norm": 5})]
     for extra, expect in cases:
         torch._dynamo.reset()
-        before = len(COMPILES)
         compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", **extra})
         _, loss = _step(compiled, w.batch)
         assert abs(loss.item() - ref) <= 1e-5 * abs(ref)
-        assert _counts(COMPILES[before].records[-1].report) == expect, extra
+        assert _counts(fxmem.compilations(compiled)[0].graphs[-1].report) == expect, extra
     torch._dynamo.reset()
     with pytest.raises(OptionError, match="lowering.fused_ce"):
         torch.compile(w.model, backend="fxmem", options={"lowering": {"fused_ce": True}})(**w.batch)
@@ -359,7 +360,6 @@ def test_dynamic_shapes_one_compile_two_shapes():
     w = build("tiny_gpt", batch=2, seq=16, **kw)
     model = copy.deepcopy(w.model)
     compiled = torch.compile(model, backend="fxmem", options=ON, dynamic=True)
-    before = len(COMPILES)
     for batch, seq in ((2, 16), (3, 12)):
         inputs = build("tiny_gpt", batch=batch, seq=seq, **kw).batch
         ref_model = copy.deepcopy(w.model)
@@ -371,8 +371,9 @@ def test_dynamic_shapes_one_compile_two_shapes():
         assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
         for p, q in zip(model.parameters(), ref_model.parameters()):
             assert _rel(p.grad, q.grad) <= 1e-4
-    assert len(COMPILES) == before + 1
-    assert _counts(COMPILES[-1].records[-1].report) == {"fused_linear_cross_entropy": 1, "bias_gelu": 2, "layer_norm": 5}
+    comps = fxmem.compilations(compiled)
+    assert len(comps) == 1
+    assert _counts(comps[-1].graphs[-1].report) == {"fused_linear_cross_entropy": 1, "bias_gelu": 2, "layer_norm": 5}
 
 
 def test_inductor_inner_runs_the_fused_ops():
@@ -387,5 +388,5 @@ def test_inductor_inner_runs_the_fused_ops():
     assert abs(out.item() - ref.item()) <= 1e-5 * abs(ref.item())
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert _rel(p.grad, q.grad) <= 1e-4
-    assert _counts(COMPILES[-1].records[-1].report) == {
+    assert _counts(fxmem.compilations(compiled)[-1].graphs[-1].report) == {
         "fused_linear_cross_entropy": 1, "geglu": 1, "bias_gelu": 1, "rms_norm": 1}

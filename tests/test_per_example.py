@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
+import fxmem
 from fxmem import per_example
 from fxmem.options import OptionError
 from fxmem.profiling import step_perf
@@ -55,17 +56,34 @@ def _params(model):
     return {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
 
 
+def _compile(step, **options):
+    return torch.compile(step, backend="fxmem", options={"inner": "eager", **options})
+
+
 def _run(step, params, x, y, **options):
+    return _run_compiled(step, params, x, y, **options)[0]
+
+
+def _run_compiled(step, params, x, y, **options):
+    """The step's result and the compiled step (whose records ``fxmem.compilations`` finds)."""
+    fn = _compile(step, **options)
     with torch.no_grad():
-        return torch.compile(step, backend="fxmem", options={"inner": "eager", **options})(params, x, y)
+        return fn(params, x, y), fn
+
+
+def _chunk_plan(fn):
+    """The per-example pass's decision in the newest compile of ``fn``."""
+    plan = fxmem.compilations(fn)[-1].chunk_plan
+    assert plan is not None, "the per-example pass found no region"
+    return plan
 
 
 @pytest.mark.parametrize("m", [1, 3, 8, 11])
 def test_chunked_sums_equal_the_per_example_loop(m):
     model = _model()
     params, (x, y) = _params(model), _data(11)
-    sums, norms = _run(_step(model), params, x, y, microbatch_size=m)
-    plan = per_example.PLANS[-1]
+    (sums, norms), fn = _run_compiled(_step(model), params, x, y, microbatch_size=m)
+    plan = _chunk_plan(fn)
     assert plan.chunked and plan.microbatch_size == min(m, 11)
     assert plan.fused_sums == len(params) and plan.fused_norms == 1
     ref_sums, ref_norms = _loop(model, params, x, y)
@@ -109,9 +127,9 @@ def test_one_compile_serves_every_step_including_the_remainder_chunk():
     fn = torch.compile(_step(model), backend="fxmem", options={"inner": "eager", "microbatch_size": 3})
     with torch.no_grad():
         first = fn(params, x, y)
-        runner_compiles = len(per_example.PLANS)
+        runner_compiles = fxmem.compilations(fn)
         second = fn(params, x, y)
-    assert len(per_example.PLANS) == runner_compiles  # no new Dynamo compile
+    assert runner_compiles and fxmem.compilations(fn) == runner_compiles  # no new Dynamo compile
     for k in params:
         assert torch.equal(first[0][k], second[0][k])
 
@@ -136,7 +154,7 @@ def test_auto_takes_the_largest_microbatch_that_fits():
                        options={"inner": "eager", "microbatch_size": "auto", "memory_budget": budget,
                                 "ghost_clipping": False})  # per-example gradients materialized
     fn(params, x, y)
-    plan = per_example.PLANS[-1]
+    plan = _chunk_plan(fn)
     m = plan.microbatch_size
     assert 1 < m < 16
     assert plan.measured[m] <= budget
@@ -157,8 +175,8 @@ def test_unprovable_epilogue_falls_back_unchunked_with_the_reason():
     model = _model()
     params, (x, y) = _params(model), _data(6)
     with pytest.warns(UserWarning, match="not chunking this graph: .*mean over the batch"):
-        sums, _ = _run(_step(model, mean_over_batch=True), params, x, y, microbatch_size=2)
-    assert not per_example.PLANS[-1].chunked
+        (sums, _), fn = _run_compiled(_step(model, mean_over_batch=True), params, x, y, microbatch_size=2)
+    assert not _chunk_plan(fn).chunked
     ref_sums, _ = _loop(model, params, x, y)
     for k in params:
         torch.testing.assert_close(sums[k], ref_sums[k] / 6, rtol=1e-5, atol=1e-6)
@@ -178,12 +196,10 @@ def test_grad_mode_inputs_fall_back_with_a_warning():
 
 
 def test_report_lists_the_microbatching_decision():
-    import fxmem
-
     model = _model()
     params, (x, y) = _params(model), _data(5)
-    _run(_step(model), params, x, y, microbatch_size=2)
-    rep = fxmem.report()
+    _, fn = _run_compiled(_step(model), params, x, y, microbatch_size=2)
+    rep = fxmem.report(fn)
     text = str(rep)
     assert "per-example region: batch 5, microbatch_size=2: runs in chunks of 2" in text
     assert f"{len(params)} clip-weighted batch sums as matvecs, 1 global norms" in text
@@ -194,15 +210,12 @@ def test_report_lists_the_microbatching_decision():
 @pytest.mark.parametrize("options", [{"level": 0}, {"level": 1}, {"level": 2},
                                      {"microbatch_size": "auto", "memory_budget": 10**6}])
 def test_recompute_planner_runs_inside_the_chunk_graph(options):
-    from fxmem.backend import COMPILES
-
     model = _model()
     params, (x, y) = _params(model), _data(6)
-    before = len(COMPILES)
-    sums, norms = _run(_step(model), params, x, y, **{"microbatch_size": 4, **options})
-    plans = [r.plan for p in COMPILES[before:] for r in p.records]
-    assert plans and all(p.level == options.get("level", 0) for p in plans)
-    assert sum(len(r.split.recomputed) for p in COMPILES[before:] for r in p.records) > 0
+    (sums, norms), fn = _run_compiled(_step(model), params, x, y, **{"microbatch_size": 4, **options})
+    graphs = [g for c in fxmem.compilations(fn) for g in c.graphs]
+    assert graphs and all(g.plan.level == options.get("level", 0) for g in graphs)
+    assert sum(len(g.split.recomputed) for g in graphs) > 0
     ref_sums, ref_norms = _loop(model, params, x, y)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
     for k in params:
@@ -219,7 +232,8 @@ def test_varying_batch_sizes_keep_chunking():
         x, y = _data(batch)
         with torch.no_grad():
             sums, norms = fn(params, x, y)
-        assert per_example.PLANS[-1].chunked, per_example.PLANS[-1].reason
+        plan = _chunk_plan(fn)
+        assert plan.chunked, plan.reason
         ref_sums, ref_norms = _loop(model, params, x, y)
         torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-6)
         for k in params:
@@ -231,15 +245,17 @@ def test_chunk_graphs_never_match_a_model_after_their_inputs_are_freed():
     reuses once the tensors are freed, so a later model's report listed a freed chunk graph."""
     import gc
 
-    from fxmem.backend import COMPILES
-
     model = _model()
     params, (x, y) = _params(model), _data(4)
     ids = {id(t) for t in [*params.values(), x, y]}
-    before = len(COMPILES)
-    _run(_step(model), params, x, y, microbatch_size=2)
-    records = [r for p in COMPILES[before:] for r in p.records]
-    assert records and all(r.input_ids & ids for r in records)
+    _, fn = _run_compiled(_step(model), params, x, y, microbatch_size=2)
+    comps = fxmem.compilations(fn, match=[*params.values(), x, y])
+    assert comps and all(c.graphs for c in comps)  # the chunk graphs were planned
+    assert all(c.inputs & ids for c in comps)
     del params, x, y
     gc.collect()
-    assert not any(r.input_ids & ids for r in records)
+    assert not any(c.inputs & ids for c in comps)
+    # a later model's tensors (which may reuse the freed ids) never find the freed graphs
+    later = _params(_model())
+    later_ids = {id(t) for t in later.values()}
+    assert not any(c.inputs & later_ids for c in fxmem.compilations(fn))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fxmem.backend import COMPILES
+import fxmem
 from fxmem.models import build
 from fxmem.remat.budget import BudgetError
 from helpers import compare_step
@@ -22,11 +22,11 @@ NARROW = dict(batch=4, seq=64, layers=2, vocab=256, d=32, heads=2)
 
 def _run(workload, **options):
     """Compile with fxmem (eager inner), check loss and grads against eager; return the plan."""
-    before = len(COMPILES)
-    compare_step(workload, lambda m: torch.compile(m, backend="fxmem", options={"inner": "eager", **options}))
-    plans = [p for c in COMPILES[before:] for p in c.plans]
-    assert len(plans) == 1, "expected one graph"
-    return plans[0], COMPILES[-1].splits[-1], COMPILES[-1].sizes[-1]
+    opts = {"inner": "eager", **options}
+    compiled = compare_step(workload, lambda m: torch.compile(m, backend="fxmem", options=opts))
+    graphs = [g for c in fxmem.compilations(compiled) for g in c.graphs]
+    assert len(graphs) == 1, "expected one graph"
+    return graphs[0].plan, graphs[0].split, graphs[0].sizes
 
 
 def _saved_bytes_at_runtime(workload, **options):
@@ -216,11 +216,12 @@ def test_dropout_gradients_bit_identical():
 
 def test_plan_shape_changes_evaluation_point():
     w = build("hf_llama", **GPT)
-    before = len(COMPILES)
     model = copy.deepcopy(w.model)
     opts = {"inner": "eager", "plan_shape": {"input_ids": [64, 128]}}
-    w.loss(torch.compile(model, backend="fxmem", options=opts, dynamic=True)(**w.batch)).backward()
-    plan, sizes = COMPILES[before].plans[-1], COMPILES[before].sizes[-1]
+    compiled = torch.compile(model, backend="fxmem", options=opts, dynamic=True)
+    w.loss(compiled(**w.batch)).backward()
+    first = fxmem.compilations(compiled)[0].graphs[-1]
+    plan, sizes = first.plan, first.sizes
     names = set(sizes.names.values())
     assert {"input_ids.size(0)", "input_ids.size(1)"} <= names
     assert sizes.at(plan.saved_bytes_expr) == plan.saved_bytes
@@ -237,7 +238,6 @@ def test_dynamic_plan_formula_holds_at_every_shape():
     """One dynamic compile; its saved-bytes formula equals what autograd keeps at other shapes."""
     w = build("hf_llama", **GPT)
     model = copy.deepcopy(w.model)
-    before = len(COMPILES)
     compiled = torch.compile(model, backend="fxmem", options={"inner": "eager"}, dynamic=True)
     keep = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     for batch, seq in [(2, 32), (3, 20), (5, 48)]:
@@ -255,8 +255,9 @@ def test_dynamic_plan_formula_holds_at_every_shape():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = w.loss(compiled(**inputs))
         loss.backward()
-        assert len(COMPILES) == before + 1 and len(COMPILES[-1].plans) == 1  # compiled once
-        plan, sizes = COMPILES[-1].plans[-1], COMPILES[-1].sizes[-1]
+        comps = fxmem.compilations(compiled)
+        assert len(comps) == 1 and len(comps[-1].graphs) == 1  # compiled once
+        plan, sizes = comps[-1].graphs[-1].plan, comps[-1].graphs[-1].sizes
         values = {s: {"input_ids.size(0)": batch, "input_ids.size(1)": seq}[n] for s, n in sizes.names.items()}
         assert int(plan.saved_bytes_expr.xreplace(values)) == sum(held), (batch, seq)
 
@@ -269,7 +270,8 @@ def test_level2_keeps_dropout_masks_as_bitmasks():
         torch._dynamo.reset()
         compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", "level": level})
         w.loss(compiled(**w.batch)).backward()
-        plans[level] = (COMPILES[-1].plans[-1], COMPILES[-1].splits[-1])
+        last = fxmem.compilations(compiled)[-1].graphs[-1]
+        plans[level] = (last.plan, last.split)
     (p1, s1), (p2, s2) = plans[1], plans[2]
     masks1 = sum(n.meta["val"].numel() for n in s1.saved if n.meta["val"].dtype == torch.bool)
     masks2 = sum(n.meta["val"].numel() for n in s2.saved if n.meta["val"].dtype == torch.bool)

@@ -32,12 +32,16 @@ def compiled_llama():
     model = copy.deepcopy(w.model)
     compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1}, dynamic=True)
     _measured(w, compiled, model, w.batch)
-    return w, model, compiled
+    # The report is taken now: each test starts with torch._dynamo.reset() (conftest), which drops
+    # the compiled graphs and their records (a later call compiles afresh).
+    rep = fxmem.report(compiled)
+    assert len(rep.graphs) == 1
+    return w, model, compiled, rep
 
 
 def test_table_lists_clusters_totals_and_symbols(compiled_llama):
-    _, _, compiled = compiled_llama
-    text = str(fxmem.report(compiled))
+    _, _, _, rep = compiled_llama
+    text = str(rep)
     assert "fxmem memory plan: graph" in text and "level 1" in text
     assert "saved activations:" in text and "predicted step peak:" in text and "recompute cost:" in text
     assert "input_ids.size(0) = 2; input_ids.size(1) = 32" in text
@@ -46,8 +50,7 @@ def test_table_lists_clusters_totals_and_symbols(compiled_llama):
 
 @pytest.mark.parametrize("batch, seq", [(2, 32), (4, 16), (2, 64), (3, 48)])  # not 1: Dynamo specializes size 1
 def test_predict_peak_matches_measurement(compiled_llama, batch, seq):
-    w, model, compiled = compiled_llama
-    rep = fxmem.report(compiled)
+    w, model, compiled, rep = compiled_llama
     inputs = build("hf_llama", batch=batch, seq=seq, **SMALL).batch
     measured = _measured(w, compiled, model, inputs)
     assert abs(rep.predict_peak(input_ids=(batch, seq)) - measured) <= 0.02 * measured
@@ -55,8 +58,7 @@ def test_predict_peak_matches_measurement(compiled_llama, batch, seq):
 
 @pytest.mark.parametrize("batch, seq", [(2, 32), (4, 48)])
 def test_peak_breakdown_sums_to_the_peak_and_names_the_vocabulary_sized_tensors(compiled_llama, batch, seq):
-    _, _, compiled = compiled_llama
-    rep = fxmem.report(compiled)
+    _, _, _, rep = compiled_llama
     b = rep.peak_breakdown(input_ids=(batch, seq))
     assert b["peak"] == rep.predict_peak(input_ids=(batch, seq)) == sum(n for _, n in b["live"])
     assert b["phase"] == "backward"  # level 1: the cross-entropy backward's logits-sized buffers make the peak
@@ -65,8 +67,7 @@ def test_peak_breakdown_sums_to_the_peak_and_names_the_vocabulary_sized_tensors(
 
 
 def test_max_batch_fits_and_next_does_not(compiled_llama):
-    w, model, compiled = compiled_llama
-    rep = fxmem.report(compiled)
+    w, model, compiled, rep = compiled_llama
     cap = rep.predict_peak(input_ids=(5, 32)) + 1000
     b = rep.max_batch(cap, seq=32)
     assert b == 5
@@ -77,8 +78,7 @@ def test_max_batch_fits_and_next_does_not(compiled_llama):
 
 
 def test_json_round_trip(compiled_llama, tmp_path):
-    _, _, compiled = compiled_llama
-    rep = fxmem.report(compiled)
+    _, _, _, rep = compiled_llama
     path = tmp_path / "mem.json"
     rep.to_json(str(path))
     data = json.loads(path.read_text())
@@ -91,14 +91,14 @@ def test_json_round_trip(compiled_llama, tmp_path):
 
 
 def test_bad_shape_name_is_a_clear_error(compiled_llama):
-    _, _, compiled = compiled_llama
+    _, _, _, rep = compiled_llama
     with pytest.raises(ValueError, match=r"predict_peak: 'pixels' names no dynamic input dimension .* allowed: input_ids"):
-        fxmem.report(compiled).predict_peak(pixels=(1, 2))
+        rep.predict_peak(pixels=(1, 2))
 
 
 def test_plot_writes_a_png(compiled_llama, tmp_path):
-    _, _, compiled = compiled_llama
-    path = fxmem.report(compiled).plot(str(tmp_path / "pareto.png"))
+    _, _, _, rep = compiled_llama
+    path = rep.plot(str(tmp_path / "pareto.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -113,6 +113,9 @@ def test_explain_and_report_logging(caplog, tmp_path):
     assert "fxmem memory plan" in caplog.text
     written = list(tmp_path.glob("r.*.json"))
     assert written and fxmem.MemoryReport.from_json(str(written[0])).graphs[0].level == 0
+    # r.<compile id, "/" as "_">.<graph index within that compile>.json
+    g = rep.graphs[-1]
+    assert g.compile_id and (tmp_path / f"r.{g.compile_id.replace('/', '_')}.{g.index}.json") in written
 
 
 def test_report_cli_runs_a_script(tmp_path):
@@ -126,7 +129,7 @@ def test_report_cli_runs_a_script(tmp_path):
     run = subprocess.run([sys.executable, "-m", "fxmem", "report", str(script)], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "fxmem memory plan: graph 0, level 0" in run.stdout
+    assert "fxmem memory plan: graph 0, level 0 (compile 0/0)" in run.stdout
 
 
 def test_report_of_a_model_never_includes_graphs_of_freed_models():
@@ -148,8 +151,8 @@ def test_report_of_a_model_never_includes_graphs_of_freed_models():
 def test_a_recomputed_view_of_a_weight_saves_nothing(compiled_llama):
     # `t` of a weight is a view of a parameter: keeping it keeps no storage, so recomputing it
     # saves no bytes (the row must not claim the transpose's size).
-    _, _, compiled = compiled_llama
-    rows = {r.id: r for r in fxmem.report(compiled).graphs[-1].clusters}
+    _, _, _, rep = compiled_llama
+    rows = {r.id: r for r in rep.graphs[-1].clusters}
     assert rows["t+"].frequency > 0 and rows["t+"].recomputed > 0
     assert rows["t+"].saving_bytes == 0 and rows["t+"].saving_formula == "0"
     assert any(r.saving_bytes > 0 for r in rows.values())

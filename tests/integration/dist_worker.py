@@ -33,17 +33,16 @@ def shard(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, to
     return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
 
 
-def planned_graphs() -> int:
-    """How many graphs fxmem's planner planned (not the safe fallback) in this process."""
-    from fxmem.backend import COMPILES
+def planned_graphs(compiled) -> int:
+    """How many graphs fxmem's planner planned (not the safe fallback) for ``compiled``."""
+    import fxmem
 
-    return sum(len(p.records) for p in COMPILES)
+    return sum(len(c.graphs) for c in fxmem.compilations(compiled))
 
 
 def check_ddp(rank: int, world: int, clip_norm: float) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    before = planned_graphs()
     model, batch = build(SPEC, seed=0)
     step = torch.compile(DDP(model), backend="fxmem", options=OPTIONS)
     loss = step(**shard(batch, rank, world))
@@ -52,14 +51,13 @@ def check_ddp(rank: int, world: int, clip_norm: float) -> dict:
     dist.all_reduce(mean_loss)
     mean_loss /= world
     return {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "loss": mean_loss, "planned": planned_graphs() - before}
+            "loss": mean_loss, "planned": planned_graphs(step)}
 
 
 def check_fsdp2(rank: int, world: int, clip_norm: float) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    before = planned_graphs()
     mesh = init_device_mesh("cpu", (world,))
     model, batch = build(SPEC, seed=0)
     for block in model.blocks:
@@ -72,7 +70,7 @@ def check_fsdp2(rank: int, world: int, clip_norm: float) -> dict:
     dist.all_reduce(mean_loss)
     mean_loss /= world
     grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-    return {"grads": grads, "loss": mean_loss, "planned": planned_graphs() - before,
+    return {"grads": grads, "loss": mean_loss, "planned": planned_graphs(step),
             "sharded": sum(p.to_local().numel() for p in model.parameters()),
             "numel": sum(p.numel() for p in model.parameters())}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxmem.backend import COMPILES
+import fxmem
 from fxmem.testing import ModelSpec, build
 
 # bf16 has an 8-bit significand: one rounding is up to 2**-9 relative. The eager inner compiler runs
@@ -47,12 +47,11 @@ def _step(model, inputs, autocast):
 def _fxmem_step(model, inputs, autocast, **options):
     """A fresh copy compiled with fxmem: (loss, grads, held bytes, the plan's saved bytes, the plan)."""
     torch._dynamo.reset()
-    before = len(COMPILES)
     compiled = torch.compile(copy.deepcopy(model), backend="fxmem", options={"inner": "eager", **options})
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a stage falling back to a safe plan fails the test
         loss, grads, held = _step(compiled, inputs, autocast)
-    records = [r for p in COMPILES[before:] for r in p.records]
+    records = [g for c in fxmem.compilations(compiled) for g in c.graphs]
     assert len(records) == 1, f"expected one training graph, fxmem planned {len(records)}"
     return loss, grads, held, records[0].plan.saved_bytes, records[0].plan
 

@@ -10,7 +10,8 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import fxmem
-from fxmem.backend import COMPILES
+import fxmem.backend
+import fxmem.version
 from fxmem.models import build
 from fxmem.remat import partition
 from helpers import max_rel_err
@@ -71,31 +72,32 @@ def _compile(model, options, **kw):
     return copy_, torch.compile(copy_, backend="fxmem", options=options, **kw)
 
 
-def _reports(since):
-    return [r.report for p in COMPILES[since:] for r in p.records]
+def _reports(compiled):
+    """The reports of every graph fxmem planned for ``compiled``, oldest first."""
+    return [g.report for c in fxmem.compilations(compiled) for g in c.graphs]
 
 
 def test_graph_break_plans_each_graph():
     model = _model(graph_break=True)
-    before = len(COMPILES)
     _, compiled = _compile(model, EAGER)
     _step_matches_eager(model, compiled, torch.randn(4, 16))
     assert counters["graph_break"], "the model did not break the graph"
-    assert len(COMPILES) - before == 2  # one Dynamo graph per side of the break
-    assert [len(p.records) for p in COMPILES[before:]] == [1, 1]  # each planned once
-    assert all(rep.saved_bytes > 0 for rep in _reports(before))
+    comps = fxmem.compilations(compiled)
+    assert len(comps) == 2  # one Dynamo graph per side of the break
+    assert [len(c.graphs) for c in comps] == [1, 1]  # each planned once
+    assert all(rep.saved_bytes > 0 for rep in _reports(compiled))
 
 
 def test_dynamic_compiles_once_across_shapes():
     model = _model()
-    before = len(COMPILES)
     _, compiled = _compile(model, EAGER, dynamic=True)
     for b, s in [(2, 8), (3, 12), (5, 6)]:
         _step_matches_eager(model, compiled, torch.randn(b, s, 16))
     assert counters["stats"]["unique_graphs"] == 1
-    assert len(COMPILES) - before == 1 and len(COMPILES[-1].records) == 1
+    comps = fxmem.compilations(compiled)
+    assert len(comps) == 1 and len(comps[-1].graphs) == 1
     # one plan, as a formula over the batch and sequence sizes
-    assert {"x.size(0)", "x.size(1)"} <= set(_reports(before)[0].symbols.values())
+    assert {"x.size(0)", "x.size(1)"} <= set(_reports(compiled)[0].symbols.values())
 
 
 def _plan_of(rep):
@@ -107,11 +109,10 @@ def test_changed_options_recompile_same_options_replan_the_same():
     w = build("tiny_gpt", batch=4, seq=32, vocab=64, d=32, layers=2)
 
     def plan_at(level):
-        before = len(COMPILES)
         _, compiled = _compile(w.model, {**EAGER, "level": level})
         out = w.loss(compiled(**w.batch))
         out.backward()
-        (rep,) = _reports(before)
+        (rep,) = _reports(compiled)
         assert rep.level == level
         return _plan_of(rep)
 
@@ -126,7 +127,7 @@ def test_cache_key_has_version_source_and_options(monkeypatch):
     assert p0.uuid() == partition.Partitioner(fxmem.resolve({"level": 0})).uuid()
     assert p0.uuid() != p1.uuid()
     key = p0.uuid()
-    monkeypatch.setattr(fxmem, "__version__", fxmem.__version__ + ".post1")
+    monkeypatch.setattr(fxmem.version, "__version__", fxmem.__version__ + ".post1")  # what the key reads
     partition._source_key.cache_clear()
     try:
         assert p0.uuid() != key
@@ -135,11 +136,19 @@ def test_cache_key_has_version_source_and_options(monkeypatch):
         partition._source_key.cache_clear()
     # Inductor pickles its config, the partitioner included, into its cache key: that must work
     # once the partitioner holds plans (fx graphs are cyclic), or every compile bypasses the cache
+    made = []
+
+    def spy(options):
+        made.append(partition.Partitioner(options))
+        return made[-1]
+
+    monkeypatch.setattr(fxmem.backend, "Partitioner", spy)
     model = _model()
     _, compiled = _compile(model, EAGER)
     compiled(torch.randn(2, 16)).backward()
-    assert COMPILES[-1].records
-    assert pickle.loads(pickle.dumps(COMPILES[-1])) == COMPILES[-1].uuid()
+    (comp,) = fxmem.compilations(compiled)
+    assert made and made[-1].planned and made[-1].planned == comp.graphs  # it holds the graph's plan
+    assert pickle.loads(pickle.dumps(made[-1])) == made[-1].uuid()
 
 
 @pytest.mark.inductor
@@ -153,11 +162,10 @@ def test_inductor_cache_serves_warm_run_and_misses_on_changed_option(tmp_path):
         torch._dynamo.reset()
         clear_caches()  # Inductor's in-memory caches: the next compile must go to the disk cache
         counters.clear()
-        before = len(COMPILES)
         _, compiled = _compile(model, {"inner": "inductor", **options})
         out = compiled(x).pow(2).mean()
         out.backward()
-        (rep,) = _reports(before)  # planned even when Inductor's cache serves the graphs
+        (rep,) = _reports(compiled)  # planned even when Inductor's cache serves the graphs
         return dict(counters["inductor"]), rep
 
     with fresh_cache(dir=str(tmp_path)):
@@ -186,8 +194,11 @@ def test_debug_log_names_each_stage(caplog):
     debug = [r.getMessage() for r in caplog.records if r.name == "fxmem" and r.levelno == logging.DEBUG]
     for stage in STAGES:
         assert any(m.startswith(stage) for m in debug), f"no DEBUG message for {stage!r}: {debug}"
-    assert any("fxmem memory plan" in m for m in debug)  # the report table, at DEBUG without report=True
-    assert not [r for r in caplog.records if r.name == "fxmem" and r.levelno >= logging.INFO]
+    # the report table is logged at INFO (shown whenever the fxmem logger is on, report=True or
+    # not), and nothing else is: no other INFO message, nothing above INFO
+    info = [r.getMessage() for r in caplog.records if r.name == "fxmem" and r.levelno == logging.INFO]
+    assert len(info) == 1 and info[0].startswith("fxmem memory plan: graph"), info
+    assert not [r for r in caplog.records if r.name == "fxmem" and r.levelno > logging.INFO]
 
 
 def test_report_option_logs_table_at_info(caplog):

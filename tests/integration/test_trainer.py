@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from fxmem.backend import COMPILES
+import fxmem
 
 
 class TokenBatches(torch.utils.data.Dataset):
@@ -24,8 +24,8 @@ class TokenBatches(torch.utils.data.Dataset):
 
 
 def _train(tmp_path, options=None):
-    """Train a tiny GPT-2 (from a config, no download) for 6 steps; the logged losses and the final
-    parameters."""
+    """Train a tiny GPT-2 (from a config, no download) for 6 steps; the logged losses, the final
+    parameters and the model."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -43,16 +43,15 @@ def _train(tmp_path, options=None):
         warnings.simplefilter("error", RuntimeWarning)  # an fxmem stage falling back fails the test
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, model
 
 
 def test_trainer_with_fxmem_model_gives_eager_loss_curve(tmp_path):
     torch._dynamo.reset()
-    eager_losses, eager_params = _train(tmp_path / "eager")
-    before = len(COMPILES)
-    losses, params = _train(tmp_path / "fxmem", {"inner": "eager", "level": 1})
+    eager_losses, eager_params, _ = _train(tmp_path / "eager")
+    losses, params, model = _train(tmp_path / "fxmem", {"inner": "eager", "level": 1})
 
-    records = [r for p in COMPILES[before:] for r in p.records]
+    records = [g for c in fxmem.compilations(model) for g in c.graphs]
     assert records and sum(r.plan.saved_bytes for r in records) > 0, "fxmem planned no training graph"
     assert len(eager_losses) == 6 and eager_losses[-1] < eager_losses[0], eager_losses  # it does train
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)

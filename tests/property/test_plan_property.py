@@ -33,7 +33,7 @@ def test_any_plan_keeps_gradients_and_its_byte_count(program, opts, data):
     # Rules are drawn from the cluster ids this program really has (plus one that matches nothing).
     probe = Partitioner(resolve({}, env={}))
     aot_function(fn, fw_compiler=eager, partition_fn=probe)(*inputs)
-    ids = sorted({c.id for c in probe.plans[-1].clusters}) + ["nosuch+"]
+    ids = sorted({c.id for c in probe.planned[-1].plan.clusters}) + ["nosuch+"]
     rules = data.draw(st.lists(st.builds(lambda c, s, n: f"{c}:{s}:{n}", st.sampled_from(ids),
                                          st.sampled_from([0, 1, 2]), st.sampled_from([-1, 1, 2])), max_size=3))
     partitioner = Partitioner(resolve({**opts, "config": rules}, env={}))
@@ -55,4 +55,4 @@ def test_any_plan_keeps_gradients_and_its_byte_count(program, opts, data):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert sum(held) == partitioner.plans[-1].saved_bytes
+    assert sum(held) == partitioner.planned[-1].plan.saved_bytes
