@@ -4,11 +4,11 @@ import textwrap
 
 import pytest
 import torch
+from helpers import compare_step
 
 import fxmem
 from fxmem.backend import OptionError
 from fxmem.models import build
-from helpers import compare_step
 
 EAGER = {"inner": "eager"}
 SMALL = {"hf_gpt2": dict(batch=2, seq=32), "hf_llama": dict(batch=2, seq=32),

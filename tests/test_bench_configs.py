@@ -1,7 +1,6 @@
 """bench/configs.py: budget configurations at any fraction, and clear errors."""
 
 import pytest
-
 from helpers import load_bench_module
 
 configs = load_bench_module("configs")

@@ -5,13 +5,13 @@ property; argument errors. Every compile uses the eager inner compiler (Inductor
 import math
 
 import pytest
-from helpers import load_bench_models
 import torch
-from hypothesis import given, strategies as st
+from helpers import load_bench_models
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.func import grad
 
-from fxmem.dpsgd import (PrivacyAccountant, add_noise, clipped_grad, epsilon, make_functional,
-                         noise_multiplier_for)
+from fxmem.dpsgd import PrivacyAccountant, add_noise, clipped_grad, epsilon, make_functional, noise_multiplier_for
 
 EAGER = {"inner": "eager"}
 RTOL = 1e-5

@@ -6,9 +6,9 @@ alone, the non-finite fallback. Eager inner compiler, tiny models."""
 import logging
 
 import pytest
-from helpers import load_bench_models
 import torch
 import torch.nn.functional as F
+from helpers import load_bench_models
 from torch import nn
 from torch.func import functional_call, grad
 

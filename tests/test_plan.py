@@ -7,13 +7,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import compare_step
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fxmem
 from fxmem.models import build
 from fxmem.remat.budget import BudgetError
-from helpers import compare_step
 
 GPT = dict(batch=2, seq=32, layers=2, vocab=256)
 # Narrow (d=32): activations, not parameter gradients, make the peak, so recompute can lower it.
@@ -99,7 +99,8 @@ def test_rules_select_clusters_exactly():
 
 def test_unknown_cluster_warns_with_known_ids():
     w = build("mlp_chain", batch=16, width=64, depth=3)
-    with pytest.warns(UserWarning, match=r"rule nosuch\+:1:-1: cluster 'nosuch\+' matches nothing; clusters in this graph: "):
+    with pytest.warns(UserWarning,
+                      match=r"rule nosuch\+:1:-1: cluster 'nosuch\+' matches nothing; clusters in this graph: "):
         _run(w, config=["nosuch+:1:-1"])
 
 

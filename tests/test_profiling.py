@@ -1,3 +1,4 @@
+import dataclasses
 import logging
 
 import pytest
@@ -187,10 +188,10 @@ def test_perf_state_statistics():
 
 def test_step_result_is_frozen():
     r = _result(1.0, 5)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.time_s = 2.0
     m = Mark("a", 0.1, 1, 2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         m.name = "b"
 
 

@@ -92,7 +92,8 @@ def test_json_round_trip(compiled_llama, tmp_path):
 
 def test_bad_shape_name_is_a_clear_error(compiled_llama):
     _, _, _, rep = compiled_llama
-    with pytest.raises(ValueError, match=r"predict_peak: 'pixels' names no dynamic input dimension .* allowed: input_ids"):
+    with pytest.raises(ValueError,
+                       match=r"predict_peak: 'pixels' names no dynamic input dimension .* allowed: input_ids"):
         rep.predict_peak(pixels=(1, 2))
 
 

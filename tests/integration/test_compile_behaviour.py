@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 import torch.nn as nn
+from helpers import max_rel_err
 from torch._dynamo.utils import counters
 
 import fxmem
@@ -14,7 +15,6 @@ import fxmem.backend
 import fxmem.version
 from fxmem.models import build
 from fxmem.remat import partition
-from helpers import max_rel_err
 
 EAGER = {"inner": "eager"}
 

@@ -5,8 +5,13 @@ import torch
 
 import fxmem_kernels.clip_accumulate as ca
 from fxmem.profiling import step_perf
-from fxmem_kernels.clip_accumulate import (clip_accumulate_op, clip_and_accumulate, clipped_sum,
-                                           per_example_norms, per_example_norms_op)
+from fxmem_kernels.clip_accumulate import (
+    clip_accumulate_op,
+    clip_and_accumulate,
+    clipped_sum,
+    per_example_norms,
+    per_example_norms_op,
+)
 
 # Parameter shapes (without the example dim): a matrix, a bias, a scalar, a 3-D tensor.
 SHAPES = [[(3, 4), (7,), (), (2, 3, 5)], [(16,)], [(5, 6), (6,)]]

@@ -6,9 +6,11 @@ import torch.nn.functional as F
 from torch.func import grad, grad_and_value, vmap
 
 from fxmem.profiling import saved_tensor_bytes
-from fxmem_kernels.linear_cross_entropy import (linear_cross_entropy,
-                                                linear_cross_entropy_backward_op,
-                                                linear_cross_entropy_op)
+from fxmem_kernels.linear_cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_backward_op,
+    linear_cross_entropy_op,
+)
 
 from .util import assert_same
 

@@ -4,8 +4,14 @@ import torch.nn.functional as F
 
 import fxmem_kernels.norms as norms
 from fxmem.profiling import saved_tensor_bytes
-from fxmem_kernels.norms import (layer_norm, layer_norm_backward_op, layer_norm_op, rms_norm,
-                                 rms_norm_backward_op, rms_norm_op)
+from fxmem_kernels.norms import (
+    layer_norm,
+    layer_norm_backward_op,
+    layer_norm_op,
+    rms_norm,
+    rms_norm_backward_op,
+    rms_norm_op,
+)
 
 from .util import TOL, assert_same
 

@@ -5,10 +5,10 @@ import warnings
 from dataclasses import replace
 
 import torch
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from budget import examples
 from fxmem.testing import assert_same_clipped_sum, build, per_example_reference
 from fxmem.testing.strategies import model_specs
 

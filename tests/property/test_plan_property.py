@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from fxmem.inner import eager
 from fxmem.options import resolve
-from fxmem.remat.partition import Partitioner
 from fxmem.remat.budget import BudgetError
+from fxmem.remat.partition import Partitioner
 from fxmem.testing.programs import program_inputs, programs, run_program
 
 
@@ -44,7 +44,8 @@ def test_any_plan_keeps_gradients_and_its_byte_count(program, opts, data):
         warnings.simplefilter("ignore")  # the "matches nothing" rule warns
         try:
             with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: held.append(0 if t.untyped_storage().data_ptr() in keep else t.numel() * t.element_size()) or t,
+                    lambda t: held.append(0 if t.untyped_storage().data_ptr() in keep
+                                          else t.numel() * t.element_size()) or t,
                     lambda t: t):
                 loss = compiled(*inputs)
         except BudgetError:

@@ -3,13 +3,13 @@ a training step, its report's byte claims match measurement, and memory falls as
 import warnings
 
 import torch
+from budget import examples
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from fxmem.profiling import step_perf
 from fxmem.remat.budget import BudgetError
 from fxmem.testing import ModelSpec, assert_same_training_step, build
-from budget import examples
 from fxmem.testing.strategies import model_specs, options
 
 
