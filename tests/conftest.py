@@ -17,3 +17,10 @@ def _fresh_dynamo():
 
     torch._dynamo.reset()
     yield
+
+
+def pytest_collection_modifyitems(items):
+    """Inductor compiles and multi-process runs are slow here: ``-m "not slow"`` leaves them out."""
+    for item in items:
+        if item.get_closest_marker("inductor") or item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.slow)

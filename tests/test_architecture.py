@@ -124,6 +124,7 @@ def _graph_modules() -> list[weakref.ref]:
     return [weakref.ref(o) for o in gc.get_objects() if isinstance(o, fx.GraphModule)]
 
 
+@pytest.mark.slow
 def test_graphs_die_with_their_compiled_function():
     """Compile several models (levels 0-2, lowering, a budget, a chunked per-example step), run
     them, delete them and reset Dynamo: every graph module made meanwhile is freed."""
@@ -212,12 +213,14 @@ def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_torch_logs_fxmem_prints_each_plan(tmp_path):
     run = _run(tmp_path, TORCH_LOGS="fxmem")
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stderr.count("fxmem memory plan: graph 0, level 0 (compile 0/0)") == 1, run.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_torch_trace_run_holds_the_plan_artifacts(tmp_path):
     run = _run(tmp_path, TORCH_TRACE=str(tmp_path / "trace"))
     assert run.returncode == 0, run.stderr[-2000:]

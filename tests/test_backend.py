@@ -26,6 +26,7 @@ def test_eager_inner_matches_eager(name):
     assert comps and comps[-1].graphs, "fxmem's partitioner was not used"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_dynamic_shapes_one_compile(name):
     w = build(name, **SMALL[name])
@@ -45,6 +46,7 @@ def test_inference_graph_passes_through():
         assert torch.equal(compiled(**w.batch), w.model(**w.batch))
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 @pytest.mark.parametrize("name, kw", [("mlp_chain", dict(batch=8, width=32, depth=3)),
                                       ("hf_gpt2", dict(batch=2, seq=16, layers=1, vocab=512, d=64)),
@@ -70,6 +72,7 @@ def test_unexpected_backend_kwargs():
         fxmem_backend(None, [], mode="max-autotune")
 
 
+@pytest.mark.slow
 def test_backend_found_without_import():
     """A fresh interpreter finds backend="fxmem" through the entry point, never importing fxmem."""
     code = textwrap.dedent("""

@@ -41,6 +41,7 @@ print("lowered", sorted({{r.pattern for c in fxmem.compilations() for g in c.gra
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["", "import fxmem"], ids=["entry-point", "fxmem-imported-first"])
 def test_a_stock_hf_gpt2_compiles_into_one_graph_with_its_loss_lowered(first, tmp_path):
     """No ``loss_type`` set: HF's ``logger.warning_once`` in forward no longer splits the step
@@ -53,6 +54,7 @@ def test_a_stock_hf_gpt2_compiles_into_one_graph_with_its_loss_lowered(first, tm
     assert "fused_linear_cross_entropy" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
 def test_the_readme_dpsgd_snippet_chunks_an_hf_model_and_matches_the_loop():
     torch._dynamo.reset()
     model = _gpt2(dropout=0.0)  # the loop must draw the same (no) masks
@@ -97,6 +99,7 @@ def test_clipped_grad_warns_when_a_requested_chunking_is_not_done():
         fn(*args)  # once per step function, not every call
 
 
+@pytest.mark.slow
 def test_explain_twice_on_two_models_of_one_architecture_gives_two_full_reports():
     torch._dynamo.reset()
     ids = torch.randint(0, 512, (2, 16))

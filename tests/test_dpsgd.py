@@ -70,6 +70,7 @@ def tiny_gpt():
     return loss, C, params, ids, labels, want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatch_size", [None, 1, 3, 8, B_GPT])
 def test_gpt_clipped_sum_matches_loop(tiny_gpt, microbatch_size):
     loss, C, params, ids, labels, (want, want_norms, want_losses) = tiny_gpt
@@ -143,6 +144,7 @@ def test_return_flags_and_empty_batch(tiny_gpt):
 # --- Hugging Face models from configs ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", ["hf_gpt2", "hf_llama"])
 def test_hf_models_through_functional_call(builder):
     from fxmem.models import build
@@ -292,6 +294,7 @@ def sensitivity_cases(draw):
     return widths, scale, draw(st.integers(0, B_PROP - 1)), draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @given(sensitivity_cases())
 def test_one_example_moves_the_sum_by_at_most_C(case):
     widths, scale, i, seed = case

@@ -65,6 +65,7 @@ def decisions(fn) -> list[dict]:
 # --- the bench GPT, untied and tied -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_gpt_ghost_matches_loop_and_ghost_off(tied):
     model, params, ids, labels = models.gpt(vocab=40, d=8, layers=1, heads=2, seq=5, batch=5)
@@ -94,6 +95,7 @@ def test_gpt_ghost_matches_loop_and_ghost_off(tied):
 # --- Hugging Face models from configs -----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", ["hf_gpt2", "hf_llama"])
 def test_hf_models_ghost_matches_loop(builder):
     from fxmem.models import build
@@ -147,6 +149,7 @@ class Mixed(nn.Module):
         return F.cross_entropy(self.head(h)[None], y[None])
 
 
+@pytest.mark.slow
 def test_mixed_rule_two_dim_inputs_and_unknown_layers():
     torch.manual_seed(0)
     model = Mixed()
@@ -169,6 +172,7 @@ def test_mixed_rule_two_dim_inputs_and_unknown_layers():
     assert len(conv) == 1 and conv[0]["choice"] == "materialize" and conv[0]["kind"] == "other"
 
 
+@pytest.mark.slow
 def test_report_records_each_decision():
     model, params, ids, labels = models.gpt(vocab=40, d=8, layers=1, heads=2, seq=5, batch=4)
     loss = models.per_example_loss(model)

@@ -125,6 +125,7 @@ def test_returned_logits_get_their_gradient_whether_used_or_not(bias, use_logits
     assert "linear_backward_unless_zero" in _fused_ops(fxmem.compilations(compiled)[-1].graphs[-1].split.bw)
 
 
+@pytest.mark.slow
 def test_loss_only_never_materializes_logits_and_lowers_the_peak(monkeypatch):
     """The model compiled to return its loss only: no [tokens, vocab] tensor exists in either
     graph, the measured step peak falls by more than the logits' size, and the report predicts
@@ -165,6 +166,7 @@ def test_loss_only_never_materializes_logits_and_lowers_the_peak(monkeypatch):
     assert peaks[True] <= peaks[False] - 4 * tokens * vocab + 4 * vocab * kw["d"], peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_per_example_gradients_get_fused_cross_entropy_and_norms(name, monkeypatch):
     """vmap(grad(...)) over per-example HF losses (batch 8): the flat graph holds the fused
@@ -261,6 +263,7 @@ def test_saved_bytes_in_the_report_are_exact_and_the_plan_matches_autograd():
     assert back.graphs[-1].lowerings == g.lowerings
 
 
+@pytest.mark.slow
 def test_options_turn_patterns_off():
     w = build("hf_llama", **HF)
     ref = w.loss(copy.deepcopy(w.model)(**w.batch)).item()
@@ -352,6 +355,7 @@ def test_dropout_becomes_seeded_with_one_mask_for_forward_and_backward():
     assert _counts(fxmem.report(compiled).graphs[-1]) == {"dropout": 1}
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_one_compile_two_shapes():
     """tiny_gpt (sliced logits, F.gelu after a biased linear, LayerNorm) compiled with dynamic
     shapes: one compile serves two batch shapes, each equal to eager."""

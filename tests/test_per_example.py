@@ -78,6 +78,7 @@ def _chunk_plan(fn):
     return plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 3, 8, 11])
 def test_chunked_sums_equal_the_per_example_loop(m):
     model = _model()
@@ -134,6 +135,7 @@ def test_one_compile_serves_every_step_including_the_remainder_chunk():
         assert torch.equal(first[0][k], second[0][k])
 
 
+@pytest.mark.slow
 def test_auto_takes_the_largest_microbatch_that_fits():
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
     x, y = torch.randn(16, 64), torch.randn(16, 64)
@@ -207,6 +209,7 @@ def test_report_lists_the_microbatching_decision():
     assert again.per_example[-1]["microbatch_size"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{"level": 0}, {"level": 1}, {"level": 2},
                                      {"microbatch_size": "auto", "memory_budget": 10**6}])
 def test_recompute_planner_runs_inside_the_chunk_graph(options):
@@ -222,6 +225,7 @@ def test_recompute_planner_runs_inside_the_chunk_graph(options):
         torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_varying_batch_sizes_keep_chunking():
     """Poisson-sampled DP-SGD: every step has another batch size. Dynamo's dynamic recompile
     makes the batch symbolic; the chunked path must survive it and stay exact."""
@@ -240,6 +244,7 @@ def test_varying_batch_sizes_keep_chunking():
             torch.testing.assert_close(sums[k], ref_sums[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunk_graphs_never_match_a_model_after_their_inputs_are_freed():
     """Regression (a CI flake): chunk graphs linked to their inputs by raw ids, which Python
     reuses once the tensors are freed, so a later model's report listed a freed chunk graph."""

@@ -48,6 +48,7 @@ def _saved_bytes_at_runtime(workload, **options):
     return sum(seen.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "mlp_chain"])
 def test_planned_bytes_equal_held_bytes(name):
     w = build(name, **(GPT if name != "mlp_chain" else dict(batch=16, width=64, depth=4)))
@@ -65,6 +66,7 @@ def test_level0_recomputes_activation_instead_of_keeping_both():
     assert any("gelu" in str(n.target) for n in split.recomputed)
 
 
+@pytest.mark.slow
 def test_levels_reduce_saved_bytes_and_keep_gradients():
     # NARROW: level 1 lowers the peak (a level 1 plan that would not is replaced by level 0's: see
     # the test below)
@@ -77,6 +79,7 @@ def test_levels_reduce_saved_bytes_and_keep_gradients():
     assert any("mm" in str(n.target) for n in s1.recomputed)  # matmuls inside layers recomputed
 
 
+@pytest.mark.slow
 def test_rules_select_clusters_exactly():
     w = build("hf_gpt2", **GPT)
     p0, s0, _ = _run(w)
@@ -117,6 +120,7 @@ def _peak(workload, options):
     return perf.result.peak_bytes
 
 
+@pytest.mark.slow
 def test_budget_monotone_and_within_cap():
     w = build("hf_gpt2", **NARROW)
     p0, _, _ = _run(w)
@@ -135,6 +139,7 @@ def test_budget_monotone_and_within_cap():
         last_bytes, last_peak = p.saved_bytes, peak
 
 
+@pytest.mark.slow
 def test_budget_mixes_the_cuts_unit_by_unit(monkeypatch):
     """Frontier cuts of identical layers differ by one kind of projection in every layer; the
     cheapest plan under a cap can mix them (two layers' gate projections and one query
@@ -155,6 +160,7 @@ def test_budget_mixes_the_cuts_unit_by_unit(monkeypatch):
     assert sum(p.problem.cost[n] for n in split.recomputed) < sum(q.problem.cost[n] for n in q_split.recomputed)
 
 
+@pytest.mark.slow
 def test_budget_between_frontier_cuts_recomputes_less_than_the_cut_under_the_cap():
     """Frontier cuts jump by whole sets of layers; a cap between two takes the cheaper cut plus as
     much of the other's kept values as fits: more bytes and less recompute than that cut."""
@@ -199,6 +205,7 @@ def test_checkpoint_annotations_are_recomputed():
     assert any("addmm" in t for t in recomputed), recomputed  # the checkpointed matmul
 
 
+@pytest.mark.slow
 def test_dropout_gradients_bit_identical():
     """Random ops are kept, never re-drawn: same seed, same gradients, bit for bit."""
     w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64, dropout=0.3)
@@ -215,6 +222,7 @@ def test_dropout_gradients_bit_identical():
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_plan_shape_changes_evaluation_point():
     w = build("hf_llama", **GPT)
     model = copy.deepcopy(w.model)
@@ -235,6 +243,7 @@ def test_plan_shape_changes_evaluation_point():
                                  options={"inner": "eager", "plan_shape": {"nosuch": [2]}})(**w.batch))
 
 
+@pytest.mark.slow
 def test_dynamic_plan_formula_holds_at_every_shape():
     """One dynamic compile; its saved-bytes formula equals what autograd keeps at other shapes."""
     w = build("hf_llama", **GPT)
@@ -313,6 +322,7 @@ def test_a_kept_slice_counts_its_whole_storage():
     assert check.held_bytes == check.planned_saved_bytes[0] == 4 * 16 * 4
 
 
+@pytest.mark.slow
 def test_level1_that_would_not_lower_the_peak_keeps_level0s_plan():
     """GPT at a shape where the backward's peak is the parameter gradients: recomputing the
     layers would cost time and lower nothing, so level 1 keeps level 0's plan, and says so."""
@@ -341,6 +351,7 @@ def test_recompute_cost_counts_matmul_and_attention_flops():
     assert cost[torch.ops.aten.addmm.default] == 2 * (b * h * s) * d * 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
 def test_level1_recomputes_the_token_embedding_and_keeps_the_other_boundaries(name):
     """The first layer's input is a gather from the embedding table: recomputing it reruns no

@@ -17,6 +17,7 @@ def test_the_readme_has_python_blocks():
     assert BLOCKS, "README.md has no ```python block to check"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs_as_printed(index, tmp_path):
     script = tmp_path / f"readme_{index}.py"

@@ -48,6 +48,7 @@ def test_table_lists_clusters_totals_and_symbols(compiled_llama):
     assert "*input_ids.size(0)*input_ids.size(1)" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch, seq", [(2, 32), (4, 16), (2, 64), (3, 48)])  # not 1: Dynamo specializes size 1
 def test_predict_peak_matches_measurement(compiled_llama, batch, seq):
     w, model, compiled, rep = compiled_llama
@@ -66,6 +67,7 @@ def test_peak_breakdown_sums_to_the_peak_and_names_the_vocabulary_sized_tensors(
     assert "largest alive:" in str(rep)
 
 
+@pytest.mark.slow
 def test_max_batch_fits_and_next_does_not(compiled_llama):
     w, model, compiled, rep = compiled_llama
     cap = rep.predict_peak(input_ids=(5, 32)) + 1000
@@ -97,6 +99,7 @@ def test_bad_shape_name_is_a_clear_error(compiled_llama):
         rep.predict_peak(pixels=(1, 2))
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(compiled_llama, tmp_path):
     _, _, _, rep = compiled_llama
     path = rep.plot(str(tmp_path / "pareto.png"))
@@ -104,6 +107,7 @@ def test_plot_writes_a_png(compiled_llama, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_explain_and_report_logging(caplog, tmp_path):
     torch._dynamo.reset()
     w = build("hf_gpt2", batch=2, seq=16, **SMALL)
@@ -119,6 +123,7 @@ def test_explain_and_report_logging(caplog, tmp_path):
     assert g.compile_id and (tmp_path / f"r.{g.compile_id.replace('/', '_')}.{g.index}.json") in written
 
 
+@pytest.mark.slow
 def test_report_cli_runs_a_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
@@ -133,6 +138,7 @@ def test_report_cli_runs_a_script(tmp_path):
     assert "fxmem memory plan: graph 0, level 0 (compile 0/0)" in run.stdout
 
 
+@pytest.mark.slow
 def test_report_of_a_model_never_includes_graphs_of_freed_models():
     """Regression: reports were matched by parameter ids, which Python reuses once a model is
     freed; compiling fresh copies in a loop gave 1, 1, 1, 2, 1, 3 graphs."""

@@ -64,6 +64,7 @@ def _assert_close(got, want, **tol):
         torch.testing.assert_close(g, r, **tol, msg=lambda m, i=i: f"gradient {i}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", [0, 1])
 def test_bf16_step_equals_eager_and_keeps_narrower_bytes(level):
     model, inputs = build(SPEC)
@@ -134,6 +135,7 @@ def gpt2_runs():
             "fp32": _fxmem_step(model, inputs, False, level=1)}
 
 
+@pytest.mark.slow
 def test_hf_gpt2_bf16_step_equals_eager_and_saves_less(gpt2_runs):
     loss, grads, _, planned, _ = gpt2_runs["bf16"]
     _assert_close((loss, grads), gpt2_runs["ref"][:2], **BF16_TOL)

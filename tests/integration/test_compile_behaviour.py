@@ -104,6 +104,7 @@ def _plan_of(rep):
     return rep.saved_bytes, rep.saved_formula, [(c.id, c.config, c.enabled) for c in rep.clusters]
 
 
+@pytest.mark.slow
 def test_changed_options_recompile_same_options_replan_the_same():
     # two layers, and activations (not parameter gradients) make the peak: level 1 keeps less
     w = build("tiny_gpt", batch=4, seq=32, vocab=64, d=32, layers=2)
@@ -151,6 +152,7 @@ def test_cache_key_has_version_source_and_options(monkeypatch):
     assert pickle.loads(pickle.dumps(made[-1])) == made[-1].uuid()
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_inductor_cache_serves_warm_run_and_misses_on_changed_option(tmp_path):
     from torch._inductor.utils import clear_caches, fresh_cache

@@ -29,6 +29,7 @@ from torch.func import functional_call, grad
 
 pytestmark = [
     pytest.mark.distributed,
+    pytest.mark.slow,
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                        reason="needs torch.distributed with gloo"),
 ]

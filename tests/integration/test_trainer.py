@@ -7,6 +7,7 @@ a GPT2LMHeadModel, so the Trainer's column filtering (remove_unused_columns) and
 """
 import warnings
 
+import pytest
 import torch
 
 import fxmem
@@ -46,6 +47,7 @@ def _train(tmp_path, options=None):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, model
 
 
+@pytest.mark.slow
 def test_trainer_with_fxmem_model_gives_eager_loss_curve(tmp_path):
     torch._dynamo.reset()
     eager_losses, eager_params, _ = _train(tmp_path / "eager")

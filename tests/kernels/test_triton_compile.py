@@ -78,6 +78,7 @@ def _signature(kernel, args, kwargs):
     return sig, consts
 
 
+@pytest.mark.slow
 def test_every_interpreted_kernel_compiles_for_cuda(monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

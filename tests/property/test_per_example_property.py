@@ -4,6 +4,7 @@ import math
 import warnings
 from dataclasses import replace
 
+import pytest
 import torch
 from budget import examples
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ def _loss(model):
     return loss
 
 
+@pytest.mark.slow
 @given(model_specs(max_blocks=2, dropout=False), st.integers(2, 6), st.sampled_from([None, 1, 2, 3]),
        st.sampled_from([0.05, 1.0]), st.booleans())
 @settings(max_examples=examples(10, 100))

@@ -3,6 +3,7 @@ the planned saved bytes equal the bytes autograd actually keeps."""
 
 import warnings
 
+import pytest
 import torch
 from functorch.compile import aot_function
 from hypothesis import assume, given
@@ -23,6 +24,7 @@ def plan_options(draw):
     return opts
 
 
+@pytest.mark.slow
 @given(programs(), plan_options(), st.data())
 def test_any_plan_keeps_gradients_and_its_byte_count(program, opts, data):
     n_w, steps = program

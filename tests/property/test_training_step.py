@@ -2,6 +2,7 @@
 a training step, its report's byte claims match measurement, and memory falls as asked."""
 import warnings
 
+import pytest
 import torch
 from budget import examples
 from hypothesis import assume, example, given, settings
@@ -39,6 +40,7 @@ def test_gradients_and_saved_bytes_match(spec, opts):
 
 
 # Regression: Dynamo's TensorifyScalarRestartAnalysis (control flow) was taken for a stage failure.
+@pytest.mark.slow
 @example(ModelSpec(vocab=16, d=4, blocks=("mlp",), hidden=8, heads=1, residual=False, batch=1, seq=4), (2, 4))
 # Regression: dynamic shapes pass the RMSNorm's eps as a 0-d float64 input that autograd saves;
 # the check counted it as an activation (460 bytes held, 452 planned).
@@ -95,6 +97,7 @@ def _peak(spec, opts):
 
 # Regression: budget 0.8 peaked at 1304 bytes, budget 1.0 at 1208: the recomputed attention met
 # the backward's largest buffers (fixed: only plans whose simulated peak does not rise are chosen).
+@pytest.mark.slow
 @example(ModelSpec(vocab=16, d=4, blocks=("attention",), hidden=8, heads=1, residual=False, batch=1, seq=4))
 @example(ModelSpec(vocab=16, d=4, blocks=("attention", "mlp"), norm="layernorm", activation="gelu", hidden=8, heads=1,
                    residual=False, batch=1, seq=4))
@@ -116,6 +119,7 @@ def test_measured_peak_never_rises_as_the_budget_falls(spec):
         assert p2 <= p1 + slack, f"budget {b2} peaked at {p2} bytes, above budget {b1}'s {p1} (+{slack} slack)"
 
 
+@pytest.mark.slow
 @example(ModelSpec(vocab=16, d=8, blocks=("attention",), norm="rmsnorm", activation="gelu", hidden=8, heads=1,
                    residual=False, batch=1, seq=4))
 # Regression: level 1 peaked at 2016 bytes, level 0 at 1920, where both plans simulate to 2024 (a
