@@ -68,9 +68,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="inductor: compare with torch.compile's default; eager: with aot_eager (fast)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1, as the benchmarks: shared machines time more steadily); 0: torch's default")
     a = p.parse_args(argv)
     if a.steps < 3:
         p.error("--steps must be at least 3 (compile, timed steps, one profiled step)")
+    if a.threads < 0:
+        p.error("--threads must be 0 (torch's default) or a positive number")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(f"Training a 4-layer GPT (hidden 256, vocab 4096) on CPU, batch {a.batch} x seq {a.seq}, "
           f"{a.steps} steps per config:", flush=True)
     print(table(run(a.steps, a.inner, a.batch, a.seq)))
