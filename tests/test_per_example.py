@@ -264,3 +264,28 @@ def test_chunk_graphs_never_match_a_model_after_their_inputs_are_freed():
     later = _params(_model())
     later_ids = {id(t) for t in later.values()}
     assert not any(c.inputs & later_ids for c in fxmem.compilations(fn))
+
+
+def test_strict_compiles_a_model_that_calls_vmap_without_microbatching():
+    """No microbatching asked for: a vmap inside a model (e.g. HF Mamba's scan) is left alone
+    under strict=True too, and the step equals eager."""
+    class VmapModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.vmap(lambda row: self.lin(row).relu())(x).square().mean()
+
+    torch._dynamo.reset()
+    model, ref = VmapModel(), VmapModel()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8)
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "strict": True})
+    torch.testing.assert_close(compiled(x), ref(x))
+    compiled(x).backward()
+    ref(x).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    plans = [c.chunk_plan for c in fxmem.compilations(compiled) if c.chunk_plan is not None]
+    assert plans and not plans[-1].chunked, "the region was seen and left unchunked"
