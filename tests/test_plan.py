@@ -379,3 +379,31 @@ def test_positions_under_inductors_decompositions_are_cheap_to_recompute():
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert any(n.target is torch.ops.prims.iota.default for n in calls)
     assert {n.name: kind(n) for n in calls} == {n.name: CHEAP for n in calls}
+
+
+@pytest.mark.parametrize("options", [{"level": 1}, {"level": 2}, {"level": 1, "memory_budget": 1.0}],
+                         ids=["level1", "level2", "budget"])
+def test_conv_batchnorm_keeps_gradients_and_running_stats_at_every_level(options):
+    """BatchNorm's running statistics are updated in place after the forward: a backward that
+    recomputed the batch norm would read them mutated (autograd's version-counter error)."""
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
+        return transformers.ResNetForImageClassification(cfg)
+
+    torch._dynamo.reset()
+    model, ref = make(), make()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    loss = compiled(pixel_values=x, labels=y).loss
+    loss.backward()
+    ref_loss = ref(pixel_values=x, labels=y).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")
+    assert [g.report.level for c in fxmem.compilations(compiled) for g in c.graphs] == [options["level"]]

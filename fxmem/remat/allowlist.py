@@ -4,7 +4,8 @@ CHEAP ops (pointwise, views, casts, cheap reductions, norms, and the fused norm,
 seeded-dropout ops of pattern lowering) are recomputable at every level.
 HEAVY ops (matmuls, attention, convolutions) only at level 1-2 (inside detected layers), under a
 memory budget, or when a user rule selects their cluster. Random ops are never recomputed here:
-their saved outputs keep the forward's values exactly. Anything not listed is never recomputed.
+their saved outputs keep the forward's values exactly. Neither are ops that read an input the
+forward mutates (BatchNorm in training). Anything not listed is never recomputed.
 """
 
 from __future__ import annotations
@@ -47,13 +48,19 @@ _HEAVY = {
     aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.convolution,
     aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
-    aten.native_batch_norm, aten._native_batch_norm_legit_functional,
+    aten.native_batch_norm,
 }
+# Ops that read an input AOTAutograd mutates after the forward (BatchNorm's running statistics,
+# updated in place from the new values these ops return): recomputed in the backward they would
+# read the mutated input, which autograd refuses (a version-counter error at run time).
+_READS_MUTATED = {aten._native_batch_norm_legit_functional}
 
 
 def kind(node: fx.Node) -> str:
     """CHEAP, HEAVY or NEVER for a call_function node."""
     if node.op != "call_function" or is_random(node):
+        return NEVER
+    if getattr(node.target, "overloadpacket", None) in _READS_MUTATED:
         return NEVER
     if node.target is operator.getitem:
         return CHEAP
