@@ -24,7 +24,7 @@ from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
 from .options import OptionError, Options, resolve
 from .remat.partition import Partitioner
-from .report import publish
+from .report import graph_peak, publish
 
 log = logging.getLogger("fxmem")
 
@@ -71,7 +71,7 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
     """Lowering, AOTAutograd with fxmem's partitioner, the inner compiler, the reports."""
     opts = comp.options
     try:
-        gm, lowered = lowering.lower(gm, example_inputs, opts)
+        gm, lowered = _lower(gm, example_inputs, opts)
         log.debug("fxmem lowering: %d patterns lowered, %d skipped", len(lowered.lowered), len(lowered.skipped))
         partitioner = Partitioner(opts)
         compiled = inner.compile_joint(gm, example_inputs, opts.inner, partitioner)
@@ -81,6 +81,30 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
     log.debug("fxmem compile: %s inner compiler done, %d plan(s)", opts.inner, len(partitioner.planned))
     publish(comp, partitioner.planned, lowered)
     return compiled
+
+
+def _lower(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> tuple[fx.GraphModule, lowering.Lowering]:
+    """Pattern lowering, kept only if it does not raise the step's simulated peak: the lowered
+    and the unlowered graph are both planned (AOTAutograd with the eager inner compiler, which
+    traces and plans but runs nothing) and the lowered one must peak no higher (the report
+    says so otherwise)."""
+    lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
+    if not lowered.lowered:
+        return lowered_gm, lowered
+    with_lowering, without = _planned_peak(lowered_gm, example_inputs, opts), _planned_peak(gm, example_inputs, opts)
+    log.debug("fxmem lowering: planned peak %s bytes lowered, %s unlowered", with_lowering, without)
+    if with_lowering is not None and without is not None and with_lowering > without:
+        return gm, lowered.declined(f"not applied: the plan with lowering peaks at {with_lowering:,} bytes, "
+                                    f"above {without:,} without it")
+    return lowered_gm, lowered
+
+
+def _planned_peak(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> int | None:
+    """The simulated step peak of fxmem's plan for ``gm`` at the compiled shape (None: no plan)."""
+    partitioner = Partitioner(replace(opts, inner="eager"))
+    inner.compile_joint(gm, example_inputs, "eager", partitioner)
+    peaks = [graph_peak(g) for g in partitioner.planned]
+    return max(peaks) if peaks else None
 
 
 def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, opts: Options) -> Callable:

@@ -117,6 +117,10 @@ class Lowering:
     def notes(self) -> list[str]:
         return [f"left alone: {pattern} at {node}: {why}" for pattern, node, why in self.skipped]
 
+    def declined(self, why: str) -> "Lowering":
+        """The same graph with none of its matches applied, each left alone for ``why``."""
+        return Lowering([], [(x.pattern, x.node, why) for x in self.lowered] + self.skipped)
+
 
 def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left

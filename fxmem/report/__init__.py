@@ -11,9 +11,9 @@ from typing import Any, Mapping
 
 from ..compilation import compilations
 from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
-from .publish import publish
+from .publish import graph_peak, publish
 
-__all__ = ["ClusterRow", "GraphReport", "LoweringRow", "MemoryReport", "explain", "publish", "report"]
+__all__ = ["ClusterRow", "GraphReport", "LoweringRow", "MemoryReport", "explain", "graph_peak", "publish", "report"]
 
 
 def report(compiled: Any = None) -> MemoryReport:

@@ -42,6 +42,11 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
             log.info("fxmem: wrote the report of graph %d to %s", index, path)
 
 
+def graph_peak(graph: PlannedGraph) -> int:
+    """The predicted step peak of one planned graph at its compiled shape."""
+    return build(0, "", graph.plan, graph.split, graph.sizes, graph.primal_names).predict_peak()
+
+
 def _show(comp: Compilation, text: Callable[[], str]) -> None:
     """Log at INFO (``TORCH_LOGS=fxmem``); with ``report=True`` print it when nothing logs INFO.
     ``text`` is called only then: a table evaluates the predicted peak."""
