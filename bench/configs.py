@@ -49,6 +49,9 @@ _HF_QUICK = dict(batch=2, seq=64, vocab=2048, d=64, layers=2, heads=2)
 MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "hf_gpt2": {"full": dict(_HF, dropout=0.0), "quick": dict(_HF_QUICK, dropout=0.0)},
     "hf_llama": {"full": dict(_HF), "quick": dict(_HF_QUICK)},
+    # issue "[defaults]": a real vocabulary (32768), the loss decides the peak
+    "hf_qwen2": {"full": dict(batch=4, seq=256, vocab=32768, d=256, layers=4, heads=4),
+                 "quick": dict(batch=2, seq=64, vocab=4096, d=64, layers=2, heads=2)},
     # Activations (2 x depth x batch x width fp32 = 128 MiB) dwarf the weights and their
     # gradients (16 MiB each), so what a configuration keeps for backward decides the peak.
     "mlp_chain": {"full": dict(batch=2048, width=512, depth=16), "quick": dict(batch=256, width=128, depth=8)},
@@ -205,7 +208,14 @@ def _fxmem(model, cfg: Config):
 
     import fxmem  # noqa: F401  (registers the backend even without the entry point)
 
+    # The planner's configurations measure it without pattern lowering (fxmem's default since
+    # "[defaults]" lowers every pattern but dropout): a configuration that wants lowering says so,
+    # "fxmem-*-defaults" ones take fxmem's defaults.
     opts = dict(cfg.options)
+    if opts.pop("defaults", False):
+        opts.pop("lowering", None)
+    else:
+        opts.setdefault("lowering", False)
     if opts.pop("loss_only", False):
         if not hasattr(model, "loss_function"):
             raise Skip("loss_only applies to Hugging Face models (the others return only their loss)")
@@ -260,6 +270,11 @@ for _inner in ("eager", "inductor"):
     CONFIGS.append(Config(f"fxmem-{_inner}+lowering", "fxmem", {"inner": _inner, "lowering": True},
                           description=f"fxmem, {_inner} inner compiler, every lowering pattern "
                                       "(the HF model also returns its logits)"))
+for _inner in ("eager", "inductor"):
+    CONFIGS.append(Config(f"fxmem-{_inner}-defaults+loss_only", "fxmem",
+                          {"inner": _inner, "defaults": True, "loss_only": True},
+                          description=f"fxmem's default options (lowering on but dropout), {_inner} inner compiler, "
+                                      "model returns only its loss"))
 # Budget sweeps. fxmem's ``memory_budget`` as a float is a fraction of level 0's saved bytes;
 # Inductor's ``activation_memory_budget`` a fraction of its min-cut plan's. A fxmem budget below
 # its feasible floor fails at compile time (the result's status is then "infeasible").

@@ -116,6 +116,20 @@ def hf_llama(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, seed=0) -> 
     return Workload("hf_llama", model, _tokens(batch, seq, vocab, seed), _hf_loss)
 
 
+def hf_qwen2(batch=4, seq=256, vocab=32768, d=256, layers=4, heads=4, seed=0) -> Workload:
+    """A Qwen2-family causal LM as its configs ship (grouped-query attention, untied head), with
+    a real vocabulary: the logits and their loss dominate the step's memory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=d, intermediate_size=11 * d // 4, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=max(seq, 1024),
+        use_cache=False, tie_word_embeddings=False,
+    )
+    return Workload("hf_qwen2", Qwen2ForCausalLM(cfg), _tokens(batch, seq, vocab, seed), _hf_loss)
+
+
 # --- a deep MLP chain -------------------------------------------------------------------------
 
 
@@ -141,7 +155,7 @@ def mlp_chain(batch=256, width=512, depth=16, seed=0) -> Workload:
 
 
 BUILDERS: dict[str, Callable[..., Workload]] = {
-    "tiny_gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "mlp_chain": mlp_chain,
+    "tiny_gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2, "mlp_chain": mlp_chain,
 }
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from torch._dynamo.exc import ShortenTraceback
@@ -23,6 +24,7 @@ INNER_COMPILERS = ("inductor", "eager")
 LOWERING_PATTERNS = (
     "fused_linear_cross_entropy", "bias_gelu", "layer_norm", "rms_norm", "swiglu", "geglu", "dropout",
 )
+DEFAULT_LOWERING = MappingProxyType({"dropout": False})
 _STRATEGIES = {0: "none", 1: "recompute", 2: "compromised"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -77,10 +79,10 @@ class Options:
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
     # Pattern lowering to fxmem_kernels (fxmem/lowering/patterns.py): True, False, or a dict
-    # pattern -> bool (patterns not named stay on). Off by default until (1) the Triton kernels
-    # have run on a GPU (so far: the interpreter, and compiled for sm_90) and (2) seeded dropout,
-    # which draws other masks than aten's dropout for the same seed, is acceptable as a default.
-    lowering: bool | Mapping[str, bool] = False
+    # pattern -> bool (patterns not named stay on). On by default for every pattern but dropout
+    # (seeded dropout draws other masks than aten's dropout for the same seed), and kept only when
+    # the lowered plan's simulated peak is not higher (fxmem.backend._lower).
+    lowering: bool | Mapping[str, bool] = field(default_factory=lambda: DEFAULT_LOWERING)
     ghost_clipping: bool = True
     report: bool = False
     report_path: str | None = None
@@ -216,7 +218,7 @@ def _parse_lowering(value: Any, key: str = "lowering") -> bool | Mapping[str, bo
         if name not in LOWERING_PATTERNS:
             raise _err(f"{key}.{name}", on, f"pattern names {', '.join(LOWERING_PATTERNS)}")
         _bool(f"{key}.{name}", on)
-    return dict(value)
+    return MappingProxyType(dict(value))
 
 
 def _parse_path(value: Any, key: str) -> str | None:

@@ -32,7 +32,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, use_cache=False))
 assert getattr(model.config, "loss_type", None) is None
-compiled = torch.compile(model, backend="fxmem", options={{"inner": "eager", "lowering": True}})
+compiled = torch.compile(model, backend="fxmem", options={{"inner": "eager"}})  # default: lowering on
 ids = torch.randint(0, 512, (2, 32))
 compiled(input_ids=ids, labels=ids).loss.backward()
 import fxmem
@@ -121,3 +121,59 @@ def test_positional_inputs_are_named_after_the_forward_parameters():
     assert "input.size(0)" in rep.graphs[-1].saved_formula
     fits = rep.max_batch("1MB")
     assert fits > 8 and rep.predict_peak(input=(fits, 16)) <= 10**6 < rep.predict_peak(input=(fits + 1, 16))
+
+
+def _tied_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, use_cache=False,
+                                   tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _measured(model, options, ids):
+    from fxmem.profiling import step_perf
+
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    compiled(input_ids=ids, labels=ids).loss.backward()  # compiles
+    model.zero_grad(set_to_none=True)
+    with step_perf(torch.device("cpu")) as perf:
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    return perf.result.peak_bytes, fxmem.report(compiled).graphs[-1]
+
+
+def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says_so():
+    """Tied embeddings, level 1, a small vocabulary: the fused cross-entropy's plan peaks higher
+    than the unfused one, so by default nothing is lowered and the notes say why."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 256, (2, 32))
+    off, off_report = _measured(_tied_llama(), {"level": 1, "lowering": False}, ids)
+    torch._dynamo.reset()
+    default, report = _measured(_tied_llama(), {"level": 1}, ids)
+    assert not report.lowerings
+    notes = report.lowering_notes
+    assert any("not applied: the plan with lowering peaks at" in n for n in notes), notes
+    assert default <= off, (default, off)
+
+
+def test_default_options_lower_a_real_vocabulary_and_keep_the_gradients():
+    """Qwen2-family, vocab 8192, loss only: lowering is on by default, it lowers the peak, and
+    the gradients equal the unlowered compile's."""
+    from fxmem.models import build
+
+    def step(options):
+        torch._dynamo.reset()
+        w = build("hf_qwen2", batch=2, seq=64, vocab=8192, d=64, layers=2, heads=2)
+        compiled = torch.compile(w.model, backend="fxmem", options={"inner": "eager", **options})
+        loss = compiled(**w.batch).loss
+        loss.backward()
+        return loss, [p.grad for p in w.model.parameters()], fxmem.report(compiled).graphs[-1]
+
+    ref_loss, ref_grads, ref_report = step({"lowering": False})
+    loss, grads, rep = step({})
+    assert {r.pattern for r in rep.lowerings} >= {"fused_linear_cross_entropy", "rms_norm", "swiglu"}
+    assert "dropout" not in {r.pattern for r in rep.lowerings}
+    assert rep.predict_peak() < ref_report.predict_peak()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -130,6 +130,9 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx
     patterns = enabled(options.lowering)
     if not patterns:
         return gm, result
+    if _autocast(gm):  # the fused kernels take one dtype for all their inputs and outputs
+        result.skipped.append(("lowering", "graph", "autocast is on: the fused kernels do not follow its casts"))
+        return gm, result
     original, gm = gm, _copy(gm)
     graph = gm.graph
     erased: set[fx.Node] = set()
@@ -153,6 +156,16 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx
         graph.lint()
         gm.recompile()
     return gm, result
+
+
+def _autocast(gm: fx.GraphModule) -> bool:
+    """Autocast around the compiled call, or entered inside the graph."""
+    import torch
+
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return True
+    return any(n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast
+               for n in gm.graph.nodes)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
