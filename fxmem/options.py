@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -24,7 +24,7 @@ INNER_COMPILERS = ("inductor", "eager")
 LOWERING_PATTERNS = (
     "fused_linear_cross_entropy", "bias_gelu", "layer_norm", "rms_norm", "swiglu", "geglu", "dropout",
 )
-DEFAULT_LOWERING = MappingProxyType({"dropout": False})
+RECOMMENDED_LOWERING = MappingProxyType({"dropout": False})
 _STRATEGIES = {0: "none", 1: "recompute", 2: "compromised"}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -79,10 +79,11 @@ class Options:
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
     # Pattern lowering to fxmem_kernels (fxmem/lowering/patterns.py): True, False, or a dict
-    # pattern -> bool (patterns not named stay on). On by default for every pattern but dropout
-    # (seeded dropout draws other masks than aten's dropout for the same seed), and kept only when
-    # the lowered plan's simulated peak is not higher (fxmem.backend._lower).
-    lowering: bool | Mapping[str, bool] = field(default_factory=lambda: DEFAULT_LOWERING)
+    # pattern -> bool (patterns not named stay on), kept only when the lowered plan's simulated
+    # peak is not higher (fxmem.backend._lower). Off by default until the test suite's planner
+    # tests are split from lowering's (issue "[defaults]"); RECOMMENDED_LOWERING is every
+    # pattern but dropout (seeded dropout draws other masks than aten's dropout for the same seed).
+    lowering: bool | Mapping[str, bool] = False
     ghost_clipping: bool = True
     report: bool = False
     report_path: str | None = None
