@@ -54,10 +54,6 @@ class Compilation:
     unplanned_lowerings: list["Lowering"] = field(default_factory=list)
     created_ns: int = field(default_factory=time.monotonic_ns)
 
-    @property
-    def reports(self) -> list["GraphReport"]:
-        return [g.report for g in self.graphs if g.report is not None]
-
     def __repr__(self) -> str:
         chunked = f", chunk_plan={self.chunk_plan.summary()}" if self.chunk_plan is not None else ""
         return (f"Compilation(compile_id={self.compile_id}, level={self.options.level}, "

@@ -139,7 +139,9 @@ def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
-        fw = (lambda g, ins: eager(plan(rewrite(g)), ins)) if rewrite else (lambda g, ins: eager(plan(g), ins))
+        def fw(g, ins):
+            return eager(plan(rewrite(g) if rewrite else g), ins)
+
         return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)
     from functorch.compile import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
