@@ -272,23 +272,42 @@ def test_dynamic_plan_formula_holds_at_every_shape():
         assert int(plan.saved_bytes_expr.xreplace(values)) == sum(held), (batch, seq)
 
 
-def test_level2_keeps_dropout_masks_as_bitmasks():
-    """Gradients stay bit-identical (test_dropout_gradients_bit_identical); bytes shrink."""
-    w = build("tiny_gpt", batch=2, seq=64, layers=2, d=32, heads=2, vocab=64, dropout=0.3)
+def test_level2_packs_masks_that_are_not_replayed():
+    """A boolean mask the backward reads is kept as a bitmask at level 2; a dropout mask is not
+    packed (its generator is replayed instead), and level 2 never keeps more than level 1."""
+
+    class Gate(torch.nn.Module):  # a mask from a comparison, read by the backward
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):  # the mask's source (a matmul) is not recomputed: the mask is kept
+            return self.b(x) * (self.a(x).sin() > 0)
+
+    x = torch.randn(256, 64)
     plans = {}
     for level in (1, 2):
         torch._dynamo.reset()
-        compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", "level": level})
-        w.loss(compiled(**w.batch)).backward()
+        compiled = torch.compile(Gate(), backend="fxmem", options={"inner": "eager", "level": level})
+        compiled(x).sum().backward()
         last = fxmem.compilations(compiled)[-1].graphs[-1]
         plans[level] = (last.plan, last.split)
     (p1, s1), (p2, s2) = plans[1], plans[2]
     masks1 = sum(n.meta["val"].numel() for n in s1.saved if n.meta["val"].dtype == torch.bool)
     masks2 = sum(n.meta["val"].numel() for n in s2.saved if n.meta["val"].dtype == torch.bool)
     packed = sum(n.meta["val"].numel() for n in s2.saved if n.meta["val"].dtype == torch.uint8)
-    assert masks1 > 0 and masks2 == 0
+    assert masks1 == 256 * 64 and masks2 == 0
     assert packed * 8 >= masks1 and packed <= masks1 // 8 + 8 * 4  # a bit per element (+ padding)
     assert p2.saved_bytes == p1.saved_bytes - masks1 + packed
+
+    w = build("hf_gpt2", **{**GPT, "dropout": 0.1})
+    kept = {}
+    for level in (1, 2):
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", "level": level})
+        w.loss(compiled(**w.batch)).backward()
+        kept[level] = fxmem.compilations(compiled)[-1].graphs[-1].plan.saved_bytes
+    assert kept[2] <= kept[1]
 
 
 def test_report_option_logs_the_plan_at_info(caplog):

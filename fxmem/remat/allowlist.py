@@ -3,9 +3,11 @@
 CHEAP ops (pointwise, views, casts, cheap reductions, norms, and the fused norm, activation and
 seeded-dropout ops of pattern lowering) are recomputable at every level.
 HEAVY ops (matmuls, attention, convolutions) only at level 1-2 (inside detected layers), under a
-memory budget, or when a user rule selects their cluster. Random ops are never recomputed here:
-their saved outputs keep the forward's values exactly. Neither are ops that read an input the
-forward mutates (BatchNorm in training). Anything not listed is never recomputed.
+memory budget, or when a user rule selects their cluster. Random ops are recomputable once they
+replay their generator (see ``replay``: Inductor's seeded random ops, and aten's wrapped with
+their generator state); a random op that does not, and the states themselves, never are. Neither
+are ops that read an input the forward mutates (BatchNorm in training). Anything not listed is
+never recomputed.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_* (seeded random ops)
 import torch.fx as fx
 
 from ..graph.joint import is_random
+from .replay import wrapped_target
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -33,17 +37,25 @@ _COPIES = {
     aten.lift_fresh_copy, aten.full, aten.zeros, aten.ones, aten.scalar_tensor, aten.arange,
     aten.full_like, aten.zeros_like, aten.ones_like, aten.empty, aten.where, aten.index, prims.iota,
     aten.gather, aten.embedding, aten.constant_pad_nd, aten.repeat, aten.index_select,
-    aten.slice_scatter, aten.select_scatter, aten.tril, aten.triu, aten.masked_fill,
+    aten.slice_scatter, aten.select_scatter, aten.tril, aten.triu, aten.masked_fill, aten.empty_like,
+    aten.new_empty, aten.empty_strided,
 }
 _REDUCTIONS_AND_NORMS = {
     aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,
     aten.std, aten.prod, aten.norm, aten.linalg_vector_norm, aten.logsumexp, aten.cumsum,
-    aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
+    aten._softmax, aten._safe_softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
     aten._fused_rms_norm, aten.rsqrt, aten.any, aten.all, aten.argmax,
 }
 # fxmem_kernels' fused forward ops (pattern lowering puts them in the graph): norms and
 # activations, and the dropout whose mask a saved seed regenerates exactly.
 _FUSED_CHEAP = {"fxmem::layer_norm", "fxmem::rms_norm", "fxmem::bias_gelu", "fxmem::glu", "fxmem::seeded_dropout"}
+# Random ops, cheap when their generator is replayed: Inductor's take their seed as an input;
+# aten's run under ``run_with_rng_state`` (their attention and matmul forms are HEAVY as usual).
+_RANDOM = {
+    prims.inductor_lookup_seed, prims.inductor_random, prims.inductor_randint, aten.native_dropout,
+    aten.bernoulli, aten.rand, aten.rand_like, aten.randn, aten.randn_like, aten.randint, aten.randint_like,
+    aten.normal, aten.uniform, aten.exponential, aten.randperm, aten.multinomial,
+}
 _HEAVY = {
     aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.convolution,
     aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
@@ -60,18 +72,21 @@ def kind(node: fx.Node) -> str:
     """CHEAP, HEAVY or NEVER for a call_function node."""
     if node.op != "call_function" or is_random(node):
         return NEVER
-    if getattr(node.target, "overloadpacket", None) in _READS_MUTATED:
-        return NEVER
-    if node.target is operator.getitem:
+    replayed = wrapped_target(node)
+    return _kind(node.target if replayed is None else replayed)
+
+
+def _kind(target) -> str:
+    if target is operator.getitem:
         return CHEAP
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet is None:
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or packet in _READS_MUTATED:
         return NEVER
-    if packet in _VIEWS or packet in _COPIES or packet in _REDUCTIONS_AND_NORMS:
+    if packet in _VIEWS or packet in _COPIES or packet in _REDUCTIONS_AND_NORMS or packet in _RANDOM:
         return CHEAP
     if getattr(packet, "_qualified_op_name", None) in _FUSED_CHEAP:
         return CHEAP
-    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+    if torch.Tag.pointwise in getattr(target, "tags", ()):
         return CHEAP
     if packet in _HEAVY:
         return HEAVY

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ..graph.joint import JointGraph, is_sym
 from .allowlist import NEVER, kind
+from .replay import wrapped_target
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,9 @@ class Cluster:
 
 
 def op_name(node: fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", getattr(node.target, "__name__", str(node.target)))
+    target = wrapped_target(node) or node.target  # a replayed random op is named as itself
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet, "__name__", getattr(target, "__name__", str(target)))
 
 
 def find_clusters(joint: JointGraph, stashed: list[fx.Node]) -> list[Cluster]:

@@ -1,19 +1,23 @@
 """Level 2's compromised plans: keep a narrower tensor than the activation itself.
 
-Boolean masks (dropout's, comparison results) cost a byte an element; the backward can rebuild
+Boolean masks (comparison results, dropout's) cost a byte an element; the backward can rebuild
 them from a bitmask at an eighth of that. ``pack_masks`` inserts the packing after each mask the
 backward reads and the unpacking before the backward's reads; the min-cut then keeps whichever
-is cheaper. Widening casts need no rewrite: the min-cut already keeps the narrower input of a
+is cheaper. A dropout mask whose generator is replayed is not packed: the backward can draw it
+again from a few bytes of state. Widening casts need no rewrite: the min-cut already keeps the narrower input of a
 cast when the cast can be recomputed.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..graph.joint import JointGraph
+from .replay import wrapped_target
 
 aten = torch.ops.aten
 _MIN_NUMEL = 1024  # smaller masks are not worth two extra kernels
@@ -31,6 +35,10 @@ def _static_numel(val) -> int | None:
     return val.numel() if all(isinstance(d, int) for d in val.shape) else None
 
 
+def _replayed(mask: fx.Node) -> bool:
+    return mask.target is operator.getitem and wrapped_target(mask.args[0]) is not None
+
+
 def pack_masks(joint: JointGraph) -> int:
     """Rewrite ``joint.gm`` in place; returns how many masks now have a bitmask to keep instead."""
     graph = joint.gm.graph
@@ -43,7 +51,7 @@ def pack_masks(joint: JointGraph) -> int:
             continue
         numel = _static_numel(val)
         bw_users = [u for u in m.users if u in joint.backward]
-        if numel is None or numel < _MIN_NUMEL or not bw_users:
+        if numel is None or numel < _MIN_NUMEL or not bw_users or _replayed(m):
             continue
         fake = detect_fake_mode([val])
         pad = (-numel) % 8

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..graph.joint import JointGraph
 from .allowlist import CHEAP, kind
+from .replay import is_state
 
 _ITEM = re.compile(r"(?:\._modules)?\['?([^'\]]+)'?\]")
 
@@ -56,11 +57,11 @@ def layers(joint: JointGraph) -> dict[fx.Node, str]:
 
 def boundaries(joint: JointGraph, key: dict[fx.Node, str]) -> set[fx.Node]:
     """Tensors a layer reads from outside itself (not graph inputs: those are kept anyway), except
-    those cheap ops compute from graph inputs alone (the token embedding): recomputing them reruns
-    no earlier layer."""
+    those cheap ops compute from graph inputs and generator states alone (the token embedding, a
+    dropout's random numbers): recomputing them reruns no earlier layer."""
     from_inputs: set[fx.Node] = set()
     for n in joint.gm.graph.nodes:  # topological order
-        if n.op == "placeholder" or (n.op == "call_function" and n in joint.forward and kind(n) == CHEAP
+        if n.op == "placeholder" or is_state(n) or (n.op == "call_function" and n in joint.forward and kind(n) == CHEAP
                                      and all(a in from_inputs for a in n.all_input_nodes)):
             from_inputs.add(n)
     out = set()

@@ -19,6 +19,7 @@ from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
 from .plan import plan
+from .replay import make_replayable
 from .split import split
 
 log = logging.getLogger("fxmem")
@@ -38,6 +39,8 @@ class Partitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         joint = JointGraph.of(gm, num_fwd_outputs)
         try:
+            if make_replayable(joint):
+                joint = JointGraph.of(gm, num_fwd_outputs)
             if self.options.level == 2 and pack_masks(joint):
                 joint = JointGraph.of(gm, num_fwd_outputs)  # regions changed
             sizes = SymbolicSizes.of(gm, self.options.plan_shape)

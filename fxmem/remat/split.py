@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
+from .replay import bind_states
 
 
 class InvalidSavedSet(ValueError):
@@ -116,7 +117,8 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
-    Raises :class:`InvalidSavedSet` if the backward would recompute a random op.
+    Raises :class:`InvalidSavedSet` if the backward would recompute a random op that does not
+    replay its generator (see ``replay``).
     """
     order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
     saved = set(saved)
@@ -148,6 +150,7 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
     n_saved = len(tensors) + len(syms_sorted)
     fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
                   descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)])
+    bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
                   late=set(recomputed))
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))
