@@ -32,7 +32,7 @@ def reuse_dead_buffers(gm: fx.GraphModule) -> int:
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    root = storage_roots(gm)  # a getitem counts as its whole tuple's storage: conservative
+    root = storage_roots(gm)
     last_use = last_reads(gm, root)
 
     def can_write(a, others, n) -> bool:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from .inplace import WRITES_INTO_FIRST
 from .scratch import scratch_bytes
-from .sizes import SymbolicSizes
+from .sizes import SymbolicSizes, tensor_bytes
 
 
 def is_alias(node: fx.Node) -> bool:
@@ -28,24 +28,32 @@ def is_alias(node: fx.Node) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
+def _is_element(node: fx.Node) -> bool:
+    """One output of an op that returns several (``native_layer_norm``'s mean, a replayed
+    dropout's mask): its own storage, unlike an element of a view-returning op (``split``)."""
+    if node.target is not operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    src = node.args[0]
+    return isinstance(src.meta.get("val"), (tuple, list)) and (not is_alias(src) or _is_element(src))
+
+
 def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Node -> the node whose output storage it is (what keeping it keeps alive)."""
     root: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
-        aliases = n.op == "call_function" and is_alias(n) and n.args and isinstance(n.args[0], fx.Node)
+        aliases = (n.op == "call_function" and is_alias(n) and n.args and isinstance(n.args[0], fx.Node)
+                   and not _is_element(n))
         root[n] = root.get(n.args[0], n.args[0]) if aliases else n
     return root
 
 
-def storage_owners(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """Node -> the node whose output storage it is (what keeping it keeps alive). As
-    :func:`storage_roots`, except that an element of a tuple an op returns (``native_layer_norm``'s
-    mean) is its own storage, while an element of a view-returning op (``split``) is its input's."""
-    owner: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        src = n.args[0] if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) else None
-        tuple_element = n.target is operator.getitem and src is not None and not is_alias(src)
-        owner[n] = owner.get(src, src) if src is not None and is_alias(n) and not tuple_element else n
-    return owner
+def _allocated(n: fx.Node, sizes: SymbolicSizes) -> sympy.Expr:
+    """Bytes ``n`` allocates; of a tuple, the outputs no getitem takes (the others are their own)."""
+    val = n.meta.get("val")
+    if not isinstance(val, (tuple, list)):
+        return sizes.nbytes(n)
+    taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+    return sympy.Add(*[tensor_bytes(v) for i, v in enumerate(val) if i not in taken], sympy.Integer(0))
 
 
 def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
@@ -72,7 +80,7 @@ def schedule(gm: fx.GraphModule, sizes: SymbolicSizes,
     live: dict[fx.Node, sympy.Expr] = {}
     for i, n in enumerate(nodes):
         if (n.op == "placeholder" and counted(n)) or (n.op == "call_function" and root[n] is n):
-            live[n] = sizes.nbytes(n)
+            live[n] = _allocated(n, sizes)
             events.append(("alloc", n.name, live[n]))
         extra = scratch_bytes(n) if n.op == "call_function" else 0
         if extra != 0:  # the op's own buffers, freed before it returns

@@ -4,7 +4,8 @@ Dynamo records each node's module path (``node.meta["nn_module_stack"]``); a lay
 path up to its first integer segment (``transformer.h.3``, ``model.layers.0``, ``blocks.2``),
 which covers plain ``nn.ModuleList`` models and Hugging Face models alike. Nodes that decompositions
 created without a path inherit the layer of their inputs. A layer's *boundary* is every tensor
-it reads from outside itself (the residual stream, plus small shared inputs such as rotary tables).
+it reads from outside itself (the residual stream, plus small shared inputs such as rotary tables)
+and every tensor of it that code outside the layers reads (the last layer's output).
 """
 
 from __future__ import annotations
@@ -56,17 +57,22 @@ def layers(joint: JointGraph) -> dict[fx.Node, str]:
 
 
 def boundaries(joint: JointGraph, key: dict[fx.Node, str]) -> set[fx.Node]:
-    """Tensors a layer reads from outside itself (not graph inputs: those are kept anyway), except
-    those cheap ops compute from graph inputs and generator states alone (the token embedding, a
-    dropout's random numbers): recomputing them reruns no earlier layer."""
+    """Tensors a layer reads from outside itself, and layer outputs that code outside the layers
+    reads (the last layer's output, which the head normalizes): what layerwise checkpointing
+    keeps. Not graph inputs (those are kept anyway), nor what cheap ops compute from graph inputs
+    and generator states alone (the token embedding, a dropout's random numbers): recomputing
+    them reruns no earlier layer."""
     from_inputs: set[fx.Node] = set()
     for n in joint.gm.graph.nodes:  # topological order
         if n.op == "placeholder" or is_state(n) or (n.op == "call_function" and n in joint.forward and kind(n) == CHEAP
                                      and all(a in from_inputs for a in n.all_input_nodes)):
             from_inputs.add(n)
     out = set()
-    for n, k in key.items():
-        for a in n.all_input_nodes:
-            if a not in from_inputs and key.get(a) != k and a in joint.forward:
+    for n in joint.forward:
+        if n.op != "call_function":
+            continue
+        k = key.get(n)
+        for a in n.all_input_nodes:  # read across a layer's edge: into a layer, or out of one into the head
+            if a not in from_inputs and key.get(a) != k and a in joint.forward and (k is not None or a in key):
                 out.add(a)
     return out

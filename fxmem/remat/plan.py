@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph.cost import recompute_cost
 from ..graph.joint import JointGraph, is_multi_output, is_sym
-from ..graph.liveness import storage_owners, storage_roots
+from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
 from .allowlist import CHEAP, HEAVY, kind
@@ -111,10 +111,10 @@ def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx
 def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     notes: list[str] = []
     fwd_nodes = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
-    root, owner = storage_roots(joint.gm), storage_owners(joint.gm)
+    root = storage_roots(joint.gm)
     free = {n for n in fwd_nodes if root[n].op == "placeholder"}  # views of inputs: no new storage
     # Keeping a view keeps its whole storage (e.g. a query sliced out of a fused qkv projection).
-    nbytes = {n: 0 if n in free else sizes.at(sizes.nbytes(owner[n])) for n in fwd_nodes}
+    nbytes = {n: 0 if n in free else sizes.at(sizes.nbytes(root[n])) for n in fwd_nodes}
     cost = {n: recompute_cost(n, sizes) for n in fwd_nodes}
     stashed = joint.default_saved()
     clusters = find_clusters(joint, stashed)
@@ -157,7 +157,7 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
         saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save | fences, problem,
                                           notes)
-    kept = {owner[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free}
+    kept = {root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
