@@ -56,6 +56,16 @@ MODELS: dict[str, dict[str, dict[str, Any]]] = {
     # gradients (16 MiB each), so what a configuration keeps for backward decides the peak.
     "mlp_chain": {"full": dict(batch=2048, width=512, depth=16), "quick": dict(batch=256, width=128, depth=8)},
 }
+# issue "[realistic]": models as their configs ship (dropout where the family has it), real
+# vocabularies, real sizes. "full" is the real size; "quick" the small profile of the same family.
+_REAL = dict(batch=2, seq=512, d=768, layers=12, heads=12)
+_REAL_QUICK = dict(batch=4, seq=256, d=128, layers=4, heads=4)
+MODELS.update({
+    "gpt2_small": {"full": dict(_REAL, vocab=50257, dropout=0.1), "quick": dict(_REAL_QUICK, vocab=2000, dropout=0.1)},
+    "llama_small": {"full": dict(_REAL, vocab=32000), "quick": dict(_REAL_QUICK, vocab=32000)},
+    "bert_base": {"full": dict(_REAL, vocab=30522, dropout=0.1), "quick": dict(_REAL_QUICK, vocab=30522, dropout=0.1)},
+})
+BUILDER = {"gpt2_small": "hf_gpt2", "llama_small": "hf_llama", "bert_base": "hf_bert"}  # bench model -> fxmem.models
 DEFAULT_MODELS = ("hf_gpt2", "hf_llama", "mlp_chain")
 
 

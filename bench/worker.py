@@ -56,7 +56,7 @@ def workload(model_name: str, kwargs: dict, seed: int, device: str):
     """(the model's workload, its batch on ``device``)."""
     from fxmem.models import build
 
-    wl = build(model_name, seed=seed, **kwargs)
+    wl = build(configs.BUILDER.get(model_name, model_name), seed=seed, **kwargs)
     if getattr(wl.model, "loss_type", "") is None and hasattr(wl.model, "loss_function"):
         # GPT2LMHeadModel has no loss_type: HF then logs a warning_once inside forward, which is a
         # Dynamo graph break between the model and its loss. Name the loss HF would use anyway.

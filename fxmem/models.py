@@ -130,6 +130,25 @@ def hf_qwen2(batch=4, seq=256, vocab=32768, d=256, layers=4, heads=4, seed=0) ->
     return Workload("hf_qwen2", Qwen2ForCausalLM(cfg), _tokens(batch, seq, vocab, seed), _hf_loss)
 
 
+def hf_bert(batch=8, seq=256, vocab=30522, d=256, layers=4, heads=4, dropout=0.1, seed=0) -> Workload:
+    """A BERT-family masked LM as its configs ship (dropout 0.1): 15% of the tokens are masked and
+    only those carry labels (the others are -100, ignored by the loss)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * d, max_position_embeddings=max(seq, 512), hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, vocab, (batch, seq), generator=g)
+    masked = torch.rand(batch, seq, generator=g) < 0.15
+    labels = torch.where(masked, ids, -100)
+    batch_ = {"input_ids": torch.where(masked, 103, ids), "labels": labels}  # 103: BERT's [MASK]
+    return Workload("hf_bert", BertForMaskedLM(cfg), batch_, _hf_loss)
+
+
 # --- a deep MLP chain -------------------------------------------------------------------------
 
 
@@ -155,7 +174,8 @@ def mlp_chain(batch=256, width=512, depth=16, seed=0) -> Workload:
 
 
 BUILDERS: dict[str, Callable[..., Workload]] = {
-    "tiny_gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2, "mlp_chain": mlp_chain,
+    "tiny_gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2, "hf_bert": hf_bert,
+    "mlp_chain": mlp_chain,
 }
 
 
