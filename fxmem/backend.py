@@ -20,6 +20,7 @@ import torch.fx as fx
 from . import inner, lowering, per_example
 from .compilation import Compilation, Compiled
 from .fallback import stage_failed
+from .graph.sizes import model_state_bytes, static_dims
 from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
 from .options import OptionError, Options, resolve
@@ -35,7 +36,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
     opts = _options(options, kwargs)
     ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
-    comp = Compilation(opts, Inputs(example_inputs), _compile_id())
+    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), model_state_bytes(gm))
     compiled = _per_example(gm, example_inputs, comp) or _whole(gm, example_inputs, comp)
     return Compiled(compiled, comp)
 

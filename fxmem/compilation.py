@@ -48,6 +48,8 @@ class Compilation:
     options: Options
     inputs: Inputs  # weak references to the example inputs: which model this graph belongs to
     compile_id: Any = None  # Dynamo's CompileId ("0/1"): names report files, tags trace artifacts
+    static_dims: dict[str, int] = field(default_factory=dict)  # input dimensions Dynamo specialized
+    model_bytes: tuple[int, int] = (0, 0)  # (parameters and buffers, trainable parameters) in bytes
     graphs: list[PlannedGraph] = field(default_factory=list)  # in compile order
     chunk_plan: "ChunkPlan | None" = None  # the per-example pass's decision, when it found a region
     # Lowerings of graphs compiled without a backward to plan (no outer backward): one per graph.

@@ -69,14 +69,23 @@ def test_peak_breakdown_sums_to_the_peak_and_names_the_vocabulary_sized_tensors(
 
 @pytest.mark.slow
 def test_max_batch_fits_and_next_does_not(compiled_llama):
+    """The device holds the parameters (and the optimizer's state) beside the step's peak."""
     w, model, compiled, rep = compiled_llama
-    cap = rep.predict_peak(input_ids=(5, 32)) + 1000
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # the graph reads some of them
+    assert params <= rep.resident_bytes() <= params + buffers
+    assert rep.resident_bytes("adam") == rep.resident_bytes() + 2 * params
+    cap = rep.resident_bytes() + rep.predict_peak(input_ids=(5, 32)) + 1000
     b = rep.max_batch(cap, seq=32)
     assert b == 5
-    assert rep.predict_peak(input_ids=(b + 1, 32)) > cap
+    assert rep.resident_bytes() + rep.predict_peak(input_ids=(b + 1, 32)) > cap
     measured = _measured(w, compiled, model, build("hf_llama", batch=b, seq=32, **SMALL).batch)
-    assert measured <= cap
+    assert measured + params <= cap
+    assert rep.max_batch(cap, seq=32, optimizer="adam") < b  # Adam's two moments do not fit beside batch 5
+    assert rep.max_batch(cap + 2 * params, seq=32, optimizer="adam") == b
     assert rep.max_batch(100) == 0
+    with pytest.raises(ValueError, match="optimizer must be one of None, 'sgd', 'momentum', 'adam', 'adamw'"):
+        rep.max_batch(cap, optimizer="lion")
 
 
 def test_json_round_trip(compiled_llama, tmp_path):

@@ -32,6 +32,39 @@ def readable(source_name: str) -> str:
     return f"{m.group(1)}.size({m.group(2)})" if m else source_name
 
 
+def static_dims(gm: fx.GraphModule) -> dict[str, int]:
+    """Readable name -> size of every input dimension Dynamo specialized (``input_ids.size(0)``
+    of a batch of 1, which Dynamo never makes dynamic), for the inputs of a Dynamo graph that
+    are not parameters or buffers: a prediction at another size of these must refuse."""
+    out: dict[str, int] = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        arg = n.meta.get("grapharg")
+        example = getattr(arg, "example", None)
+        if not isinstance(example, torch.Tensor) or isinstance(example, torch.nn.Parameter):
+            continue
+        name = arg.source.name
+        if "._buffers[" in name or "._parameters[" in name:
+            continue
+        for i, d in enumerate(n.meta["example_value"].shape):
+            if isinstance(d, int):
+                out[readable(f"{name}.size()[{i}]")] = d
+    return out
+
+
+def model_state_bytes(gm: fx.GraphModule) -> tuple[int, int]:
+    """(bytes of the parameters and buffers a Dynamo graph takes, bytes of those that train):
+    what a device holds beside the step's peak (the trainable ones also get optimizer state)."""
+    total = trainable = 0
+    for n in gm.graph.find_nodes(op="placeholder"):
+        example = getattr(n.meta.get("grapharg"), "example", None)
+        name = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", "")
+        if isinstance(example, torch.nn.Parameter) or (isinstance(example, torch.Tensor) and "._buffers[" in name):
+            b = example.numel() * example.element_size()
+            total += b
+            trainable += b if example.requires_grad else 0
+    return total, trainable
+
+
 def dim_expr(d) -> sympy.Expr:
     return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
 

@@ -43,6 +43,9 @@ class LoweringRow:
     notes: list[str] = field(default_factory=list)
 
 
+_OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
 @dataclass(frozen=True)
 class GraphReport:
     index: int
@@ -66,6 +69,9 @@ class GraphReport:
     lowerings: list[LoweringRow] = field(default_factory=list)  # patterns lowered to fused kernels
     lowering_notes: list[str] = field(default_factory=list)  # patterns found but left alone, and why
     compile_id: str = ""  # Dynamo's compile ("0/1") this graph came from; index counts within it
+    static_dims: dict[str, int] = field(default_factory=dict)  # input dims Dynamo specialized -> size
+    model_bytes: int = 0  # parameters and buffers the graph takes (alive before and after the step)
+    trainable_bytes: int = 0  # of which trainable parameters (optimizer state is per trainable byte)
 
     def with_names(self, positional: list[str]) -> "GraphReport":
         """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
@@ -74,11 +80,12 @@ class GraphReport:
             return _ARGS.sub(lambda m: positional[int(m.group(1))] if int(m.group(1)) < len(positional)
                              else m.group(0), text)
 
-        if not positional or not any(_ARGS.search(n) for n in self.symbols.values()):
+        if not positional or not any(_ARGS.search(n) for n in [*self.symbols.values(), *self.static_dims]):
             return self
         return replace(self, symbols={s: name(n) for s, n in self.symbols.items()},
                        saved_formula=name(self.saved_formula),
-                       clusters=[replace(c, saving_formula=name(c.saving_formula)) for c in self.clusters])
+                       clusters=[replace(c, saving_formula=name(c.saving_formula)) for c in self.clusters],
+                       static_dims={name(k): v for k, v in self.static_dims.items()})
 
     def values_at(self, **shapes: Any) -> dict[str, int]:
         """Symbol values for shapes given by input name: ``input_ids=(64, 2048)``, or by symbol."""
@@ -91,6 +98,15 @@ class GraphReport:
                     values[sym], hit = dims[0], True
                 elif name.startswith(f"{key}.size(") and int(name[len(key) + 6:-1]) < len(dims):
                     values[sym], hit = dims[int(name[len(key) + 6:-1])], True
+            for i, d in enumerate(dims):
+                fixed = self.static_dims.get(f"{key}.size({i})")
+                if fixed is not None and d != fixed:
+                    raise ValueError(
+                        f"predict_peak: {key}.size({i}) was specialized to {fixed} when graph {self.index} was "
+                        f"compiled (Dynamo specializes sizes 0 and 1, and every size without dynamic=True), so "
+                        f"the plan says nothing about {d}; compile at a size >= 2 with dynamic=True, or mark "
+                        f"the dimension with torch._dynamo.mark_dynamic")
+                hit = hit or fixed is not None
             if not hit:
                 known = sorted({n.split(".size")[0] for n in self.symbols.values()} | set(self.symbols))
                 raise ValueError(f"predict_peak: {key!r} names no dynamic input dimension of graph {self.index}; "
@@ -167,24 +183,34 @@ class MemoryReport:
         ``GraphReport.peak_breakdown``."""
         return self._graph().peak_breakdown(**shapes)
 
-    def max_batch(self, cap: int | str, limit: int = 1 << 20, **shapes: Any) -> int:
-        """Largest batch (dimension 0 of the inputs) whose predicted peak fits in ``cap``.
+    def max_batch(self, cap: int | str, limit: int = 1 << 20, optimizer: str | float | None = None,
+                  **shapes: Any) -> int:
+        """Largest batch (dimension 0 of the inputs) whose step fits in ``cap`` on the device:
+        the parameters and buffers, the optimizer's state, and the step's predicted peak (which
+        holds the gradients).
 
+        ``optimizer``: None (no state), "sgd" (none), "momentum" (one buffer per trainable
+        parameter), "adam"/"adamw" (two), or bytes of state per byte of trainable parameter.
         Other dimensions by keyword: ``seq=2048`` sets dimension 1, or give inputs by name
         (``input_ids=(1, 2048)``: its first entry is replaced by each candidate batch).
         """
+        state = self.resident_bytes(optimizer)
         g = self._graph()
         cap_bytes = parse_bytes(cap, "cap")
         batch_syms = {s for s, n in g.symbols.items() if n.endswith(".size(0)")}
         if not batch_syms:
-            raise ValueError("max_batch: the graph has no dynamic batch dimension; compile with dynamic=True")
+            fixed0 = sorted(f"{n}={v}" for n, v in g.static_dims.items() if n.endswith(".size(0)"))
+            why = (f" (specialized when compiled: {', '.join(fixed0)}; Dynamo specializes sizes 0 and 1)"
+                   if fixed0 else "")
+            raise ValueError(f"max_batch: the graph has no dynamic batch dimension{why}; compile with "
+                             "dynamic=True at a batch of 2 or more")
         seq = shapes.pop("seq", None)
         fixed = g.values_at(**shapes)
         if seq is not None:
             fixed.update({s: seq for s, n in g.symbols.items() if n.endswith(".size(1)")})
 
         def fits(b: int) -> bool:
-            return g.peak_at_values({**fixed, **{s: b for s in batch_syms}}) <= cap_bytes
+            return state + g.peak_at_values({**fixed, **{s: b for s in batch_syms}}) <= cap_bytes
 
         if not fits(1):
             return 0
@@ -196,6 +222,16 @@ class MemoryReport:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
+
+    def resident_bytes(self, optimizer: str | float | None = None) -> int:
+        """Bytes alive across steps (latest graph): parameters, buffers and the optimizer's state
+        (see ``max_batch``)."""
+        g = self._graph()
+        per_byte = _OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
+        if per_byte is None or isinstance(per_byte, bool) or not isinstance(per_byte, (int, float)) or per_byte < 0:
+            raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in _OPTIMIZER_STATE)} or bytes of "
+                             f"state per trainable byte (a number >= 0), got {optimizer!r}")
+        return g.model_bytes + int(per_byte * g.trainable_bytes)
 
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
@@ -244,7 +280,8 @@ def report_json_path(path: str, g: GraphReport) -> str:
 
 
 def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str], *,
-          lowerings: list[LoweringRow] = (), lowering_notes: list[str] = (), compile_id: str = "") -> GraphReport:
+          lowerings: list[LoweringRow] = (), lowering_notes: list[str] = (), compile_id: str = "",
+          static_dims: dict[str, int] | None = None, model_bytes: tuple[int, int] = (0, 0)) -> GraphReport:
     """A GraphReport from a live plan, its split and its sizes, and the graph's lowering rows."""
     saved_names = {n.name for n in split.saved}
     inputs = plan.problem.joint.input_names() if plan.problem is not None else set()
@@ -276,4 +313,5 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         forward=[[k, n, str(e)] for k, n, e in fw], backward=[[k, n, str(e)] for k, n, e in bw],
         chosen_lambda=plan.lam, plain_bytes=plan.plain_bytes, level0_bytes=plan.level0_bytes,
         lowerings=list(lowerings), lowering_notes=list(lowering_notes), compile_id=compile_id,
+        static_dims=dict(static_dims or {}), model_bytes=model_bytes[0], trainable_bytes=model_bytes[1],
     )

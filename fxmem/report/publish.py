@@ -31,7 +31,8 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
         index = len(comp.graphs)
         rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
                     lowerings=lowered.rows(), lowering_notes=lowered.notes(),
-                    compile_id=str(comp.compile_id or ""))
+                    compile_id=str(comp.compile_id or ""), static_dims=comp.static_dims,
+                    model_bytes=comp.model_bytes)
         graph.report = rep
         comp.graphs.append(graph)
         _show(comp, lambda rep=rep: table(rep))
