@@ -55,6 +55,7 @@ class Compilation:
     # Lowerings of graphs compiled without a backward to plan (no outer backward): one per graph.
     unplanned_lowerings: list["Lowering"] = field(default_factory=list)
     created_ns: int = field(default_factory=time.monotonic_ns)
+    called_ns: int = 0  # when its compiled step last ran (fxmem.explain takes the graphs its step ran)
 
     def __repr__(self) -> str:
         chunked = f", chunk_plan={self.chunk_plan.summary()}" if self.chunk_plan is not None else ""
@@ -70,6 +71,7 @@ class Compiled:
         self.fn, self.compilation = fn, compilation
 
     def __call__(self, *args: Any) -> Any:
+        self.compilation.called_ns = time.monotonic_ns()
         return self.fn(*args)
 
 

@@ -31,3 +31,43 @@ def test_static_compile_refuses_every_other_shape():
     assert rep.predict_peak(input_ids=(2, 32)) == rep.predict_peak()
     with pytest.raises(ValueError, match=r"input_ids.size\(1\) was specialized to 32"):
         rep.predict_peak(input_ids=(2, 64))
+
+
+def _llama(layers: int, device: str = "cpu"):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=2, num_key_value_heads=2, use_cache=False)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_explain_layers_extrapolates_to_the_plan_of_the_full_depth(level):
+    """The line through the plans of 2 and 3 layers is the plan of 6 layers: peak, resident bytes
+    and max_batch agree with a compile of all 6."""
+    ids = torch.randint(0, 512, (2, 64))
+    deep = fxmem.explain_layers(_llama, 6, {"inner": "eager", "level": level}, input_ids=ids, labels=ids)
+    full = fxmem.explain(_llama(6), {"inner": "eager", "level": level}, input_ids=ids, labels=ids)
+    for shape in [(2, 64), (8, 128)]:
+        assert deep.predict_peak(input_ids=shape) == full.predict_peak(input_ids=shape)
+    assert deep.resident_bytes("adam") == full.resident_bytes("adam")
+    assert deep.max_batch("64MB", seq=256, optimizer="adam") == full.max_batch("64MB", seq=256, optimizer="adam") > 0
+    assert "extrapolated from 2 and 3" in str(deep)
+
+
+def test_explain_layers_plans_a_meta_model_and_checks_its_arguments():
+    ids = torch.zeros(2, 4096, dtype=torch.long, device="meta")
+    deep = fxmem.explain_layers(lambda k: _llama(k, "meta"), 48, {"inner": "eager", "level": 1},
+                                input_ids=ids, labels=ids)
+    per_layer = 4 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64)  # attention, MLP and norm weights, fp32
+    assert deep.resident_bytes() - fxmem.explain(_llama(2, "meta"), {"inner": "eager", "level": 1}, input_ids=ids,
+                                                  labels=ids).resident_bytes() == 46 * per_layer
+    assert deep.predict_peak() > 0
+    with pytest.raises(ValueError, match="probes must be two depths"):
+        fxmem.explain_layers(_llama, 4, probes=(3, 3), input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match="layers must be a positive int"):
+        fxmem.explain_layers(_llama, 0, input_ids=ids, labels=ids)

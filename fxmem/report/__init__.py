@@ -10,19 +10,24 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..compilation import compilations
+from .deep import LayerScaledReport, explain_layers
 from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
 from .publish import graph_peak, publish
 
-__all__ = ["ClusterRow", "GraphReport", "LoweringRow", "MemoryReport", "explain", "graph_peak", "publish", "report"]
+__all__ = ["ClusterRow", "GraphReport", "LayerScaledReport", "LoweringRow", "MemoryReport", "explain",
+           "explain_layers", "graph_peak", "publish", "report"]
 
 
 def report(compiled: Any = None) -> MemoryReport:
     """The report of every graph fxmem compiled for ``compiled`` (a ``torch.compile``d module or
     function, or the module itself), oldest first; with no argument, of every graph of every live
     compile in this process. See :func:`fxmem.compilations` for how graphs are found."""
+    return _report(compilations(compiled), compiled)
+
+
+def _report(comps: list, compiled: Any) -> MemoryReport:
     from dataclasses import asdict
 
-    comps = compilations(compiled)
     graphs = [g for c in comps for g in c.graphs if g.report is not None]
     names = _positional_names(compiled)
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
@@ -50,6 +55,7 @@ def _positional_names(compiled: Any) -> list[str]:
 def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) -> MemoryReport:
     """Compile ``model`` with fxmem (``dynamic=True``), run one training step, return its report.
     Warns when graph breaks split the step (each piece is planned on its own)."""
+    import time
     import warnings
 
     import torch
@@ -58,6 +64,7 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
 
     ignore_once_warnings()
     breaks = break_count()
+    started = time.monotonic_ns()
     compiled = torch.compile(model, backend="fxmem", dynamic=True, options=dict(options or {}))
     out = compiled(**batch)
     loss = getattr(out, "loss", out)
@@ -68,4 +75,6 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
     if reasons:
         warnings.warn(f"fxmem.explain: graph breaks split the step into graphs planned one by one: "
                       f"{'; '.join(reasons)}", RuntimeWarning, stacklevel=2)
-    return report(compiled)
+    comps = compilations(compiled)  # a second model of a compiled class may find every cached graph:
+    ran = [c for c in comps if c.called_ns >= started]  # keep those this step ran
+    return _report(ran or comps, compiled)

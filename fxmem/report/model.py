@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import sympy
 
@@ -44,6 +44,47 @@ class LoweringRow:
 
 
 _OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+def optimizer_state_per_byte(optimizer: str | float | None) -> float:
+    """Bytes of optimizer state per byte of trainable parameter (see ``MemoryReport.max_batch``)."""
+    per_byte = _OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
+    if per_byte is None or isinstance(per_byte, bool) or not isinstance(per_byte, (int, float)) or per_byte < 0:
+        raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in _OPTIMIZER_STATE)} or bytes of "
+                         f"state per trainable byte (a number >= 0), got {optimizer!r}")
+    return per_byte
+
+
+def batch_peak(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], int]:
+    """The predicted peak of ``g`` as a function of the batch (dimension 0 of every input), the
+    other dimensions given as ``max_batch`` takes them."""
+    batch_syms = {s for s, n in g.symbols.items() if n.endswith(".size(0)")}
+    if not batch_syms:
+        fixed0 = sorted(f"{n}={v}" for n, v in g.static_dims.items() if n.endswith(".size(0)"))
+        why = (f" (specialized when compiled: {', '.join(fixed0)}; Dynamo specializes sizes 0 and 1)"
+               if fixed0 else "")
+        raise ValueError(f"max_batch: the graph has no dynamic batch dimension{why}; compile with "
+                         "dynamic=True at a batch of 2 or more")
+    shapes = dict(shapes)
+    seq = shapes.pop("seq", None)
+    fixed = g.values_at(**shapes)
+    if seq is not None:
+        fixed.update({s: seq for s, n in g.symbols.items() if n.endswith(".size(1)")})
+    return lambda b: g.peak_at_values({**fixed, **{s: b for s in batch_syms}})
+
+
+def largest_batch(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest b <= ``limit`` with ``fits(b)`` (``fits`` monotone), 0 if none."""
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo * 2 <= limit and fits(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, limit + 1)  # lo fits, hi does not (or is past the limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 @dataclass(frozen=True)
@@ -194,44 +235,15 @@ class MemoryReport:
         Other dimensions by keyword: ``seq=2048`` sets dimension 1, or give inputs by name
         (``input_ids=(1, 2048)``: its first entry is replaced by each candidate batch).
         """
-        state = self.resident_bytes(optimizer)
-        g = self._graph()
+        state, peak_of = self.resident_bytes(optimizer), batch_peak(self._graph(), shapes)
         cap_bytes = parse_bytes(cap, "cap")
-        batch_syms = {s for s, n in g.symbols.items() if n.endswith(".size(0)")}
-        if not batch_syms:
-            fixed0 = sorted(f"{n}={v}" for n, v in g.static_dims.items() if n.endswith(".size(0)"))
-            why = (f" (specialized when compiled: {', '.join(fixed0)}; Dynamo specializes sizes 0 and 1)"
-                   if fixed0 else "")
-            raise ValueError(f"max_batch: the graph has no dynamic batch dimension{why}; compile with "
-                             "dynamic=True at a batch of 2 or more")
-        seq = shapes.pop("seq", None)
-        fixed = g.values_at(**shapes)
-        if seq is not None:
-            fixed.update({s: seq for s, n in g.symbols.items() if n.endswith(".size(1)")})
-
-        def fits(b: int) -> bool:
-            return state + g.peak_at_values({**fixed, **{s: b for s in batch_syms}}) <= cap_bytes
-
-        if not fits(1):
-            return 0
-        lo = 1
-        while lo * 2 <= limit and fits(lo * 2):
-            lo *= 2
-        hi = min(lo * 2, limit + 1)  # lo fits, hi does not (or is past the limit)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        return largest_batch(lambda b: state + peak_of(b) <= cap_bytes, limit)
 
     def resident_bytes(self, optimizer: str | float | None = None) -> int:
         """Bytes alive across steps (latest graph): parameters, buffers and the optimizer's state
         (see ``max_batch``)."""
         g = self._graph()
-        per_byte = _OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
-        if per_byte is None or isinstance(per_byte, bool) or not isinstance(per_byte, (int, float)) or per_byte < 0:
-            raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in _OPTIMIZER_STATE)} or bytes of "
-                             f"state per trainable byte (a number >= 0), got {optimizer!r}")
-        return g.model_bytes + int(per_byte * g.trainable_bytes)
+        return g.model_bytes + int(optimizer_state_per_byte(optimizer) * g.trainable_bytes)
 
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],

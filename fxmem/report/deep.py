@@ -1,0 +1,83 @@
+"""Plans of models too deep to trace in full: plan two depths, extrapolate to the real one.
+
+A model of identical layers has a step peak affine in the layer count: each layer adds its
+parameters, their gradients and what the plan keeps at its boundary, while the working set of
+one layer's backward and of the loss stays the same. ``explain_layers`` builds the model at two
+small depths (``probes``), explains each, and answers for ``layers`` by the line through them:
+tracing cost grows with the probes, not with the model (a Llama-7B config on the meta device is
+planned from 2 and 3 layers). tests/test_realistic.py checks the line against a real compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..options import parse_bytes
+from .model import MemoryReport, batch_peak, largest_batch
+
+
+@dataclass(frozen=True)
+class LayerScaledReport:
+    layers: int
+    probes: tuple[tuple[int, MemoryReport], tuple[int, MemoryReport]]  # (depth, its report), shallow first
+
+    def _line(self, f: Callable[[MemoryReport], int]) -> int:
+        (a, ra), (b, rb) = self.probes
+        return _through(a, f(ra), b, f(rb), self.layers)
+
+    def predict_peak(self, **shapes: Any) -> int:
+        """The step's predicted peak at ``layers`` (see ``MemoryReport.predict_peak``)."""
+        return self._line(lambda r: r.predict_peak(**shapes))
+
+    def resident_bytes(self, optimizer: str | float | None = None) -> int:
+        """Parameters, buffers and optimizer state at ``layers`` (see ``MemoryReport.resident_bytes``)."""
+        return self._line(lambda r: r.resident_bytes(optimizer))
+
+    def max_batch(self, cap: int | str, limit: int = 1 << 20, optimizer: str | float | None = None,
+                  **shapes: Any) -> int:
+        """The largest batch whose step fits in ``cap`` beside the model (see ``MemoryReport.max_batch``)."""
+        cap_bytes, state = parse_bytes(cap, "cap"), self.resident_bytes(optimizer)
+        (a, ra), (b, rb) = self.probes
+        pa, pb = batch_peak(ra._graph(), shapes), batch_peak(rb._graph(), shapes)
+
+        def fits(n: int) -> bool:
+            return state + _through(a, pa(n), b, pb(n), self.layers) <= cap_bytes
+
+        return largest_batch(fits, limit)
+
+    def __str__(self) -> str:
+        (a, ra), (b, rb) = self.probes
+        g = rb._graph()
+        shape = ", ".join(f"{n} = {g.values[s]}" for s, n in g.symbols.items()) or "the compiled shape"
+        peak = self.predict_peak()
+        return (f"fxmem plan of {self.layers} layers, extrapolated from {a} and {b}: predicted step peak "
+                f"{peak:,} bytes ({peak / 2**30:.2f} GiB) at {shape}; parameters and buffers "
+                f"{self.resident_bytes():,} bytes\n\nthe plan of {b} layers:\n{rb}")
+
+
+def _through(a: int, fa: int, b: int, fb: int, x: int) -> int:
+    """The line through (a, fa) and (b, fb), at x (exact integers)."""
+    return fa + ((fb - fa) * (x - a)) // (b - a)
+
+
+def explain_layers(build: Callable[[int], Any], layers: int, options: Mapping[str, Any] | None = None,
+                   probes: tuple[int, int] = (2, 3), **batch: Any) -> LayerScaledReport:
+    """``fxmem.explain`` of ``build(layers)`` without tracing ``layers`` layers: ``build(k)``
+    must return the model with ``k`` identical layers (on the meta device to plan what cannot
+    be allocated here); each probe depth is compiled (``dynamic=True``) and stepped once."""
+    from . import explain
+
+    a, b = probes
+    if not (isinstance(a, int) and isinstance(b, int) and 1 <= a < b):
+        raise ValueError(f"explain_layers: probes must be two depths 1 <= a < b, got {probes!r}")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"explain_layers: layers must be a positive int, got {layers!r}")
+    reports = []
+    for k in (a, b):
+        rep = explain(build(k), options, **batch)
+        if len(rep.graphs) != 1:
+            raise ValueError(f"explain_layers: the model of {k} layers compiled into {len(rep.graphs)} graphs; "
+                             "extrapolation needs the whole step in one graph (see the graph-break warning)")
+        reports.append((k, rep))
+    return LayerScaledReport(layers, (reports[0], reports[1]))
