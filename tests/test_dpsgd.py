@@ -86,6 +86,69 @@ def test_gpt_clipped_sum_matches_loop(tiny_gpt, microbatch_size):
     assert fn.chosen_microbatch_size() == (None if microbatch_size is None else microbatch_size), fn.plans
 
 
+def _poisson_sizes(steps: int, mean: float, seed: int = 0) -> list[int]:
+    """Batch sizes of Poisson sampling (each example in with probability q: a binomial, ~Poisson),
+    one of them 0."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(s) for s in torch.poisson(torch.full((steps - 1,), mean), generator=g)]
+    return sizes[:3] + [0] + sizes[3:]
+
+
+@pytest.mark.slow
+def test_poisson_batches_run_on_one_compile_and_match_the_loop(monkeypatch):
+    """Poisson sampling: 20 batch sizes around 32 (one 0) run on at most 2 compiles (Dynamo
+    graphs plus fxmem chunk graphs), each step equal to the per-example loop, and the step's peak
+    is the microbatch's, not the batch's."""
+    import fxmem.backend
+    from torch._dynamo.utils import counters
+
+    from fxmem.profiling import step_perf
+
+    model, params, _, _ = models.gpt(vocab=32, d=8, layers=1, heads=2, seq=4, batch=1)
+    loss = models.per_example_loss(model)
+    chunk_compiles = []
+    real = fxmem.backend._compile_chunk
+    monkeypatch.setattr(fxmem.backend, "_compile_chunk",
+                        lambda *a, **k: chunk_compiles.append(a[1]) or real(*a, **k))
+    C, m = 0.05, 8
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=m, return_norms=True, options=EAGER)
+    graphs_before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(1)
+    sizes = _poisson_sizes(20, 32.0)
+    assert 0 in sizes and len(set(sizes)) > 8  # more sizes than Dynamo's recompile_limit
+    for b in sizes:
+        ids = torch.randint(0, 32, (b, 4), generator=g)
+        grads, norms = fn(params, ids, ids)
+        assert norms.shape == (b,)
+        if b == 0:
+            assert all((v == 0).all() for v in grads.values())
+            continue
+        want, want_norms, _ = reference(loss, C, (params, ids, ids), (1, 2))
+        assert_grads_close(grads, want)
+        assert rel_err(norms, want_norms) <= RTOL
+    graphs = counters["stats"]["unique_graphs"] - graphs_before
+    assert graphs + len(chunk_compiles) <= 2, (graphs, len(chunk_compiles))
+    assert len(fxmem.compilations(fn.compiled)) == 1 and fn.chosen_microbatch_size() == m
+
+    # Sensitivity C with padding: dropping the last example of a padded batch moves the sum by <= C.
+    ids = torch.randint(0, 32, (13, 4), generator=g)
+    full, fewer = fn(params, ids, ids)[0], fn(params, ids[:-1], ids[:-1])[0]
+    assert l2({k: full[k] - fewer[k] for k in full}) <= C * (1 + 1e-5)
+
+    def peak(b):
+        ids = torch.randint(0, 32, (b, 4), generator=g)
+        with step_perf("cpu") as perf:
+            out = fn(params, ids, ids)
+        del out
+        return perf.result.peak_bytes
+
+    # Five chunks peak as one does, up to a param-sized buffer or two (the running sums), far
+    # below the 37 examples' per-example gradients that an unchunked step holds.
+    one_chunk, five_chunks = peak(m), peak(5 * m - 3)
+    param_bytes = sum(v.numel() * v.element_size() for v in params.values())
+    assert five_chunks - one_chunk <= 2 * param_bytes < (5 * m - 3) * param_bytes / 10, (one_chunk, five_chunks)
+
+
 def test_same_sums_as_opake(tiny_gpt):
     """opake's clipped_grad (the semantics fxmem.dpsgd follows) gives the reference's sums."""
     opake_clipping = pytest.importorskip("opake.dpsgd.clipping")
