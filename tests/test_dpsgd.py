@@ -99,9 +99,9 @@ def test_poisson_batches_run_on_one_compile_and_match_the_loop(monkeypatch):
     """Poisson sampling: 20 batch sizes around 32 (one 0) run on at most 2 compiles (Dynamo
     graphs plus fxmem chunk graphs), each step equal to the per-example loop, and the step's peak
     is the microbatch's, not the batch's."""
-    import fxmem.backend
     from torch._dynamo.utils import counters
 
+    import fxmem.backend
     from fxmem.profiling import step_perf
 
     model, params, _, _ = models.gpt(vocab=32, d=8, layers=1, heads=2, seq=4, batch=1)

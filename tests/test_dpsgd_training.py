@@ -75,7 +75,8 @@ def test_poisson_loader_collates_empty_batches_and_adapts_a_users_loader():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(data=TensorDataset(torch.zeros(4, 1))), "expected_batch_size is needed"),
-    (dict(data=TensorDataset(torch.zeros(4, 1)), expected_batch_size=5), r"expected_batch_size must be an int in \[1, 4\]"),
+    (dict(data=TensorDataset(torch.zeros(4, 1)), expected_batch_size=5),
+     r"expected_batch_size must be an int in \[1, 4\]"),
     (dict(data=TensorDataset(torch.zeros(4, 1)), expected_batch_size=2, steps=-1), "steps must be an int >= 0"),
 ])
 def test_poisson_loader_bad_arguments_raise_naming_them(kwargs, message):
