@@ -194,6 +194,29 @@ def test_bfloat16_params_sum_in_float32():
     assert_grads_close({k: v.float() for k, v in grads.items()}, want, rtol=2e-2)
 
 
+@pytest.mark.slow
+def test_bf16_autocast_sums_within_2e2_of_fp32_and_every_clipped_norm_within_C(tiny_gpt):
+    """Under CPU bf16 autocast the model's matmuls run in bf16, but the per-example gradients of
+    the fp32 parameters, their norms, clip factors and sums stay fp32: the sums are within 2e-2
+    of the fp32 loop, and each example's clipped gradient (a batch of one: the same compiled
+    chunk, padded) has norm <= C."""
+    loss, C, params, ids, labels, (want, want_norms, _) = tiny_gpt
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=4, return_norms=True, options=EAGER)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads, norms = fn(params, ids, labels)
+        singles = [fn(params, ids[i:i + 1], labels[i:i + 1])[0] for i in range(B_GPT)]
+    assert fn.chosen_microbatch_size() == 4 and len(fn.plans) == 1
+    assert all(g.dtype == torch.float32 for g in grads.values()) and norms.dtype == torch.float32
+    assert_grads_close(grads, want, rtol=2e-2)
+    assert rel_err(norms, want_norms) <= 2e-2
+    assert 0 < rel_err(norms, want_norms)  # bf16 did run: not the fp32 result
+    assert (norms > C).any()  # some examples were clipped
+    for one in singles:
+        assert l2(one) <= C
+    summed = {k: sum(one[k] for one in singles) for k in grads}
+    assert_grads_close(grads, summed, rtol=1e-5)  # the batch's sum is the sum of its examples'
+
+
 def test_return_flags_and_empty_batch(tiny_gpt):
     loss, C, params, ids, labels, (want, want_norms, _) = tiny_gpt
     only = clipped_grad(loss, C, batch_argnums=(1, 2), options=EAGER)
