@@ -23,13 +23,9 @@ from .training import DPSGD, train
 
 
 def model(vocab: int, d: int, layers: int, seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from ..models import hf_llama
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=seq,
-                      use_cache=False)
-    m = LlamaForCausalLM(cfg)
-    m.loss_type = "ForCausalLM"  # else HF logs a warning inside forward: a graph break
+    m = hf_llama(batch=1, seq=seq, vocab=vocab, d=d, layers=layers, heads=2).model
     m.set_attn_implementation("eager")  # vmap has batching rules for eager attention's ops
     return m
 
