@@ -217,6 +217,50 @@ def test_bf16_autocast_sums_within_2e2_of_fp32_and_every_clipped_norm_within_C(t
     assert_grads_close(grads, summed, rtol=1e-5)  # the batch's sum is the sum of its examples'
 
 
+def _mlp_task(batch=32):
+    torch.manual_seed(0)
+    p = {"w1": torch.randn(64, 256) * 0.1, "b1": torch.zeros(256), "w2": torch.randn(256, 64) * 0.1}
+    x, y = torch.randn(batch, 64), torch.randn(batch, 64)
+
+    def loss(p, x, y):
+        return ((torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2).sum()
+
+    return loss, p, x, y
+
+
+@pytest.mark.slow
+def test_auto_picks_a_fixed_chunk_that_fits_with_at_most_two_compiles_and_keeps_it():
+    from torch._dynamo.utils import counters
+
+    from fxmem.profiling import step_perf
+
+    loss, p, x, y = _mlp_task()
+    budget = 1_500_000  # per-example gradients: 132 KB each, so the whole batch (4.2 MB) does not fit
+    graphs_before = counters["stats"]["unique_graphs"]
+    fn = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size="auto", memory_budget=budget,
+                      options={**EAGER, "ghost_clipping": False})
+    grads = fn(p, x, y)
+    choice = fn.auto
+    assert 1 < choice.chosen < 32 and fn.chosen_microbatch_size() == choice.chosen
+    assert 1 <= len(choice.measured) <= 2 and choice.measured[choice.chosen] <= budget
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(choice.measured)
+    assert_grads_close(grads, reference(loss, 1.0, (p, x, y), (1, 2))[0])
+    with step_perf("cpu") as perf:
+        out = fn(p, x, y)
+    del out
+    assert perf.result.peak_bytes <= budget
+    for b in (5, 40, 17):  # the choice is kept: other batch sizes, no new compile
+        got = fn(p, torch.randn(b, 64), torch.randn(b, 64))
+        assert set(got) == set(p)
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(choice.measured)
+    assert fn.auto is choice
+
+    tiny = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size="auto", memory_budget=1000,
+                        options=EAGER)
+    with pytest.raises(MemoryError, match="memory_budget 1000 bytes is below the peak of one example"):
+        tiny(p, x, y)
+
+
 def test_return_flags_and_empty_batch(tiny_gpt):
     loss, C, params, ids, labels, (want, want_norms, _) = tiny_gpt
     only = clipped_grad(loss, C, batch_argnums=(1, 2), options=EAGER)

@@ -37,7 +37,7 @@ from torch.func import grad_and_value, vmap
 from torch.utils import _pytree as pytree
 
 from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
-from . import chunks
+from . import auto, chunks
 
 __all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
 
@@ -227,13 +227,18 @@ class ClippedGradFn:
         self.options = options
         grad_argnums = argnums[0] if len(argnums) == 1 else argnums
         self._grad_argnums = grad_argnums
-        # An int microbatch: the compiled step always sees exactly that many examples (the
-        # last chunk padded, see chunks.py), so every batch size runs on one compile.
-        self._fixed = isinstance(microbatch_size, int)
+        # An int microbatch (or "auto", once it has chosen one): the compiled step always sees
+        # exactly that many examples (the last chunk padded, see chunks.py), so every batch
+        # size runs on one compile.
+        self._fixed = microbatch_size is not None
+        self._m = microbatch_size if isinstance(microbatch_size, int) else None
+        self.auto: auto.AutoChoice | None = None  # what "auto" decided (auto.py)
         self._step = _make_step(loss_fn, clipping_norm, grad_argnums, batch_argnums,
                                 return_norms, return_losses, weighted=self._fixed)
         ignore_once_warnings()  # HF's logger.warning_once would split the vmap region
-        self.compiled = torch.compile(self._step, backend="fxmem", options=options)
+        self._compiled_at: dict[int, Callable] = {}
+        self.compiled = self._compile_at(self._m) if self._fixed else \
+            torch.compile(self._step, backend="fxmem", options=options)
         self.plans: list = []  # fxmem.per_example.ChunkPlan of every compile of this step
         self._warned = False
 
@@ -275,6 +280,8 @@ class ClippedGradFn:
         # compiled step without autograd tracking gives AOTAutograd a forward-only graph (and
         # the per-example pass chunks only such graphs).
         with torch.no_grad():
+            if self._fixed and self._m is None:
+                self._choose(args, batch)
             out = self._in_chunks(args, batch) if self._fixed else self.compiled(*args)
         params = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
         for c in compilations(self.compiled, match=params):  # what the per-example pass decided
@@ -295,7 +302,7 @@ class ClippedGradFn:
         """The compiled step over chunks of exactly ``microbatch_size`` examples, the last one
         padded with examples of weight 0; sums added up in float32, per-example outputs cut to
         the real examples."""
-        m = self.microbatch_size
+        m = self._m
         device = self._batch_tensor(args).device
         acc, spec = chunks.Accumulator(), None
         for start in chunks.starts(batch, m):
@@ -308,6 +315,48 @@ class ClippedGradFn:
         dtypes = [t.dtype for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor)]
         sums, per_example = acc.result(dtypes)
         return (pytree.tree_unflatten(sums, spec), *per_example)
+
+    def _compile_at(self, m: int | None) -> Callable:
+        """The step compiled for chunks of ``m`` (``"auto"``: one per size it tried)."""
+        if m not in self._compiled_at:
+            opts = {k: v for k, v in self.options.items() if k != "memory_budget"}
+            self._compiled_at[m] = torch.compile(self._step, backend="fxmem",
+                                                 options={**opts, "microbatch_size": m})
+        return self._compiled_at[m]
+
+    def _choose(self, args, batch: int) -> None:
+        """``microbatch_size="auto"``: the largest chunk size (at most this first batch's size)
+        whose step fits ``memory_budget`` (auto.py), chosen once and kept."""
+        from ..options import parse_bytes
+        from ..profiling import step_perf
+
+        device = self._batch_tensor(args).device
+
+        def peak(run: Callable) -> int:
+            with step_perf(device) as perf:
+                out = run()
+            del out
+            return perf.result.peak_bytes
+
+        def eager_peak(m: int) -> int:
+            chunk, w = chunks.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
+            return peak(lambda: self._step(*chunk, w))
+
+        def compile_and_measure(m: int) -> int:
+            self._m, self.compiled = m, self._compile_at(m)
+            chunk, w = chunks.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
+            self.compiled(*chunk, w)  # compiles; first-call allocations are not the step's
+            # a chunk after the first runs beside the running float32 sums
+            return peak(lambda: self.compiled(*chunk, w)) + sums
+
+        sums = sum(t.numel() * 4 for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor))
+        self.auto = auto.choose(parse_bytes(self.memory_budget, "memory_budget"), batch, sums, eager_peak,
+                                compile_and_measure)
+        self._m, self.compiled = self.auto.chosen, self._compile_at(self.auto.chosen)
+        if self.auto.measured[self._m] > self.auto.budget:
+            warnings.warn(f"fxmem clipped_grad: microbatch_size='auto' found no size within memory_budget "
+                          f"{self.auto.budget} bytes; using {self._m} (measured {self.auto.measured[self._m]})",
+                          RuntimeWarning, stacklevel=3)
 
     def _diff_args(self, args):
         return args[self._grad_argnums] if isinstance(self._grad_argnums, int) else \
@@ -329,9 +378,10 @@ class ClippedGradFn:
         """The microbatch size of the latest compile (``"auto"`` resolved to a number), or None
         when it was not chunked (``microbatch_size=None``, or the per-example pass could not
         prove the graph chunkable: ``plans[-1].reason`` says why) or nothing ran yet."""
-        if not self.plans or not self.plans[-1].chunked:
+        plans = [p for p in self.plans if p.requested == self._m] if self._fixed else self.plans
+        if not plans or not plans[-1].chunked:
             return None
-        return self.plans[-1].microbatch_size
+        return plans[-1].microbatch_size
 
 
 def clipped_grad(
@@ -361,8 +411,9 @@ def clipped_grad(
         microbatch_size: None (whole batch at once), a positive int m (the per-example region
             and its clipping run in chunks of exactly m examples, the last one padded with
             examples of weight 0: one compile serves every batch size, so Poisson-sampled
-            batches never recompile), or "auto" (the largest m whose step fits in
-            ``memory_budget``, chosen by fxmem's per-example pass at the batch's size).
+            batches never recompile), or "auto" (the largest m, at most the first batch's size,
+            whose step fits in ``memory_budget``: predicted from two eager runs, checked by
+            measuring the compiled step; see ``auto.py``; ``.auto`` records it).
         memory_budget: bytes (int, or "128MB", "1GiB"); required with "auto".
         return_norms: also return the per-example gradient norms before clipping, shape [B].
         return_losses: also return the per-example losses, shape [B].
