@@ -108,26 +108,14 @@ def _markdown(rows, info) -> str:
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
         lines.append(f"| {r['variant']} | {r['peak_bytes'] / MIB:.2f} | {r['peak_vs_nonprivate']:.3f} | {err} | "
                      f"{r['step_s']:.3f} | {r['first_call_s']:.1f} |")
-    lines += ["", "## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
-    for t in info["targets"]:
-        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['limit']:g} | {'met' if t['met'] else 'MISSED'} |")
+    lines += common.targets_lines(info["targets"])
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="dpsgd-lora")
     ap.add_argument("--inner", default="eager", choices=("inductor", "eager"), help="fxmem's inner compiler")
-    args = common.parse(ap, argv)
-    common.set_threads(args.threads)
-    meta = common.metadata(args.command)
-    t0 = time.perf_counter()
-    rows, info = run(args)
-    info.update(name=args.name, wall_s=round(time.perf_counter() - t0, 1))
-    jp, _ = common.write_results(args.name, rows, _markdown(rows, info), args.out_dir, meta=meta, extra={"run": info})
-    for t in info["targets"]:
-        print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
-    print(f"wrote {jp} and .md ({info['wall_s']:.0f} s)", flush=True)
-    return 0 if all(t["met"] for t in info["targets"]) else 1
+    return common.run_with_targets(ap, run, _markdown, argv)
 
 
 if __name__ == "__main__":

@@ -150,27 +150,14 @@ def _markdown(rows: list[dict], info: dict) -> str:
     for r in rows:
         lines.append(f"| {r['step']} | {r['batch']} | {r['rel_err']:.1e} | {r['peak_bytes'] / MIB:.2f} | "
                      f"{r['call_s']:.2f} |")
-    lines += ["", "## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
-    for t in info["targets"]:
-        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['limit']:g} | {'met' if t['met'] else 'MISSED'} |")
+    lines += common.targets_lines(info["targets"])
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="poisson")
     ap.add_argument("--inner", default="eager", choices=("inductor", "eager"), help="fxmem's inner compiler")
-    args = common.parse(ap, argv)
-    common.set_threads(args.threads)
-    meta = common.metadata(args.command)
-    t0 = time.perf_counter()
-    rows, info = run(args)
-    info.update(name=args.name, wall_s=round(time.perf_counter() - t0, 1))
-    jp, _ = common.write_results(args.name, rows, _markdown(rows, info), args.out_dir, meta=meta,
-                                 extra={"run": info})
-    for t in info["targets"]:
-        print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
-    print(f"wrote {jp} and .md ({info['wall_s']:.0f} s)", flush=True)
-    return 0 if all(t["met"] for t in info["targets"]) else 1
+    return common.run_with_targets(ap, run, _markdown, argv)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ the non-private LoRA step on the same batch."""
 
 import pytest
 import torch
-from torch.func import grad
+from helpers import load_bench_module
 
 from fxmem.dpsgd import clipped_grad, make_functional
 from fxmem.models import build
 from fxmem.profiling import step_perf
 
 pytest.importorskip("peft")
+loop = load_bench_module("dpsgd_lora").loop  # the explicit per-example loop: grad, clip, add
 
 V, S, B = 64, 16, 16
 
@@ -18,16 +19,6 @@ V, S, B = 64, 16, 16
 def lora_llama():
     """A 2-layer Llama (hidden 64) with rank-4 LoRA adapters on q_proj and v_proj."""
     return build("hf_llama_lora", batch=B, seq=S, vocab=V, d=64, layers=2, heads=2, rank=4).model
-
-
-def loop(loss, C, trainable, frozen, ids):
-    total = {k: torch.zeros_like(v) for k, v in trainable.items()}
-    for i in range(ids.shape[0]):
-        g = grad(loss)(trainable, frozen, ids[i])
-        norm = torch.sqrt(sum((v.double() ** 2).sum() for v in g.values())).item()
-        for k in total:
-            total[k] += g[k] * min(1.0, C / norm)
-    return total
 
 
 def peak(fn):
