@@ -142,3 +142,16 @@ def test_train_on_poisson_batches_lowers_the_loss_and_logs_epsilon():
     assert last < 0.5 * first
     assert logs[-1].epsilon == pytest.approx(dp.accountant.epsilon(1e-5))
     assert dp.accountant.history == [(0.5, 0.125, 60)]
+
+
+@pytest.mark.slow
+def test_dpsgd_demo_runs_from_the_command_line(capsys):
+    from fxmem.__main__ import main
+
+    main(["dpsgd-demo", "--steps", "4", "--log-every", "2", "--batch", "16", "--microbatch", "8"])
+    out = capsys.readouterr().out
+    assert "step 2/4: batch " in out and "step 4/4: batch " in out and "epsilon" in out
+    assert "-DP; fxmem compiles: 1" in out
+    with pytest.raises(SystemExit):
+        main([])  # usage: lists the command
+    assert "dpsgd-demo" in capsys.readouterr().out
