@@ -286,3 +286,33 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+# --- scripts whose results end in a table of targets -------------------------------------------
+
+
+def targets_lines(targets: Sequence[dict]) -> list[str]:
+    """The markdown ``## Targets`` table: one row per ``{target, value, limit, met}``."""
+    lines = ["", "## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['limit']:g} | {'met' if t['met'] else 'MISSED'} |")
+    return lines
+
+
+def run_with_targets(ap: argparse.ArgumentParser, run, markdown, argv: Sequence[str] | None = None) -> int:
+    """Parse ``ap``, run ``run(args) -> (rows, info)`` (``info["targets"]``), write
+    ``<name>.json``/``.md`` (``markdown(rows, info)``, with ``info`` holding ``name`` and
+    ``wall_s``), print the targets; exit status 0 when every target is met."""
+    import time
+
+    args = parse(ap, argv)
+    set_threads(args.threads)
+    meta = metadata(args.command)
+    t0 = time.perf_counter()
+    rows, info = run(args)
+    info.update(name=args.name, wall_s=round(time.perf_counter() - t0, 1))
+    jp, _ = write_results(args.name, rows, markdown(rows, info), args.out_dir, meta=meta, extra={"run": info})
+    for t in info["targets"]:
+        print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
+    print(f"wrote {jp} and .md ({info['wall_s']:.0f} s)", flush=True)
+    return 0 if all(t["met"] for t in info["targets"]) else 1

@@ -10,7 +10,8 @@ weight tying), batch 32, sequence 64, C = 1, side by side in one process:
 - fxmem: ``fxmem.dpsgd.clipped_grad(..., microbatch_size=8)`` (chunked inside the compiler);
 - opake: ``opake.dpsgd.clipping.clipped_grad(..., microbatch_size=8)``;
 - hand loop: ``vmap(grad(loss))`` over chunks of 8, per-example norms, clip, sum, by hand (eager);
-- fxmem auto: ``microbatch_size="auto"`` under each ``memory_budget`` (64, 128, 256 MB).
+- fxmem auto: ``microbatch_size="auto"`` under each ``memory_budget`` (64, 128, 256 MB): the
+  choice of fxmem/dpsgd/auto.py (two eager runs predict, one or two compiles are measured).
 
 Every variant's clipped sum is checked against the hand loop (relative error per parameter:
 max |a - b| / max |b|). Peak = exact peak of one step above what was live before it (CPU:
@@ -20,6 +21,7 @@ the variants interleaved step by step so machine drift hits them alike. Writes
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -150,10 +152,8 @@ def run(args) -> tuple[list[dict], dict]:
             row["microbatch"] = fn.chosen_microbatch_size()
             plan = fn.plans[-1] if fn.plans else None
             row["plan"] = plan.summary() if plan is not None else None
-            if v["kind"] == "auto" and plan is not None and plan.predicted_peak is not None and row["microbatch"]:
-                mm = row["microbatch"]
-                row["predicted_peak_m"] = plan.predicted_peak(mm)
-                row["predicted_peak_m_plus_1"] = plan.predicted_peak(mm + 1) if mm < shape["batch"] else None
+            if v["kind"] == "auto" and fn.auto is not None:  # fxmem/dpsgd/auto.py's record
+                row["auto"] = dataclasses.asdict(fn.auto)
         else:
             row["microbatch"] = v["microbatch"]
         row["times"] = []
@@ -217,10 +217,9 @@ def _targets(by: dict) -> list[dict]:
             continue
         add(f"{name}: peak within the cap (chosen m={r['microbatch']})", r["peak_bytes"], r["budget_bytes"],
             r["peak_bytes"] <= r["budget_bytes"])
-        nxt = r.get("predicted_peak_m_plus_1")
-        if r["microbatch"] and nxt is not None:
-            add(f"{name}: m+1={r['microbatch'] + 1} predicted over the cap", nxt, r["budget_bytes"],
-                nxt > r["budget_bytes"])
+        if fx and "first_call_s" in fx:
+            add(f"{name}: first call (choice + compile) / fxmem m={m}'s first call",
+                r["first_call_s"] / fx["first_call_s"], 2.0, r["first_call_s"] <= 2 * fx["first_call_s"])
     return out
 
 
@@ -249,14 +248,18 @@ def _markdown(rows, meta) -> str:
         fmt = (lambda x: "-" if x is None else f"{x / MIB:.2f} MiB") if "cap" in t["target"] else \
             (lambda x: "-" if x is None else f"{x:.3f}")
         lines.append(f"| {t['target']} | {fmt(v)} | {fmt(lim)} | {'met' if t['met'] else 'MISSED'} |")
-    plans = [(r["variant"], r["plan"]) for r in rows if r.get("plan")]
+    plans = [(r["variant"], r["plan"], r.get("auto")) for r in rows if r.get("plan")]
     if plans:
-        lines += ["", "## What fxmem's per-example pass decided", ""]
-        for name, p in plans:
-            measured = ", ".join(f"m={k}: {v / MIB:.1f} MiB" for k, v in sorted(p["measured"].items()))
-            lines.append(f"- {name}: microbatch {p['microbatch_size']} of {p['batch_size']}"
-                         + (f"; measured step peaks {measured}" if measured else "")
-                         + ("" if p["chunked"] else f"; not chunked: {p['reason']}"))
+        lines += ["", "## What fxmem decided", ""]
+        for name, p, auto in plans:
+            line = f"- {name}: chunks of {p['microbatch_size']}" + ("" if p["chunked"] else
+                                                                    f"; not chunked: {p['reason']}")
+            if auto:
+                def mib(d):
+                    return ", ".join(f"m={k}: {v / MIB:.1f} MiB" for k, v in sorted(d.items()))
+                line += (f"; eager peaks {mib(auto['eager'])}; predicted {mib(auto['predicted'])}; "
+                         f"measured (compiled, with the running sums) {mib(auto['measured'])}")
+            lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -116,6 +116,22 @@ def hf_llama(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, seed=0) -> 
     return Workload("hf_llama", model, _tokens(batch, seq, vocab, seed), _hf_loss)
 
 
+def hf_llama_lora(batch=8, seq=256, vocab=8192, d=256, layers=4, heads=4, rank=4, seed=0) -> Workload:
+    """:func:`hf_llama` with peft LoRA adapters of ``rank`` on ``q_proj`` and ``v_proj``: only the
+    adapters require grad. ``lora_B`` starts random (peft's zeros would give ``lora_A`` no
+    gradient at the first step). Eager attention (vmap has batching rules for its ops)."""
+    from peft import LoraConfig, get_peft_model
+
+    w = hf_llama(batch, seq, vocab, d, layers, heads, seed)
+    w.model.set_attn_implementation("eager")
+    model = get_peft_model(w.model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                                               lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    return Workload("hf_llama_lora", model, w.batch, _hf_loss)
+
+
 def hf_qwen2(batch=4, seq=256, vocab=32768, d=256, layers=4, heads=4, seed=0) -> Workload:
     """A Qwen2-family causal LM as its configs ship (grouped-query attention, untied head), with
     a real vocabulary: the logits and their loss dominate the step's memory."""
@@ -174,8 +190,8 @@ def mlp_chain(batch=256, width=512, depth=16, seed=0) -> Workload:
 
 
 BUILDERS: dict[str, Callable[..., Workload]] = {
-    "tiny_gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_qwen2": hf_qwen2, "hf_bert": hf_bert,
-    "mlp_chain": mlp_chain,
+    "tiny_gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_llama_lora": hf_llama_lora,
+    "hf_qwen2": hf_qwen2, "hf_bert": hf_bert, "mlp_chain": mlp_chain,
 }
 
 

@@ -86,6 +86,69 @@ def test_gpt_clipped_sum_matches_loop(tiny_gpt, microbatch_size):
     assert fn.chosen_microbatch_size() == (None if microbatch_size is None else microbatch_size), fn.plans
 
 
+def _poisson_sizes(steps: int, mean: float, seed: int = 0) -> list[int]:
+    """Batch sizes of Poisson sampling (each example in with probability q: a binomial, ~Poisson),
+    one of them 0."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(s) for s in torch.poisson(torch.full((steps - 1,), mean), generator=g)]
+    return sizes[:3] + [0] + sizes[3:]
+
+
+@pytest.mark.slow
+def test_poisson_batches_run_on_one_compile_and_match_the_loop(monkeypatch):
+    """Poisson sampling: 20 batch sizes around 32 (one 0) run on at most 2 compiles (Dynamo
+    graphs plus fxmem chunk graphs), each step equal to the per-example loop, and the step's peak
+    is the microbatch's, not the batch's."""
+    from torch._dynamo.utils import counters
+
+    import fxmem.backend
+    from fxmem.profiling import step_perf
+
+    model, params, _, _ = models.gpt(vocab=32, d=8, layers=1, heads=2, seq=4, batch=1)
+    loss = models.per_example_loss(model)
+    chunk_compiles = []
+    real = fxmem.backend._compile_chunk
+    monkeypatch.setattr(fxmem.backend, "_compile_chunk",
+                        lambda *a, **k: chunk_compiles.append(a[1]) or real(*a, **k))
+    C, m = 0.05, 8
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=m, return_norms=True, options=EAGER)
+    graphs_before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(1)
+    sizes = _poisson_sizes(20, 32.0)
+    assert 0 in sizes and len(set(sizes)) > 8  # more sizes than Dynamo's recompile_limit
+    for b in sizes:
+        ids = torch.randint(0, 32, (b, 4), generator=g)
+        grads, norms = fn(params, ids, ids)
+        assert norms.shape == (b,)
+        if b == 0:
+            assert all((v == 0).all() for v in grads.values())
+            continue
+        want, want_norms, _ = reference(loss, C, (params, ids, ids), (1, 2))
+        assert_grads_close(grads, want)
+        assert rel_err(norms, want_norms) <= RTOL
+    graphs = counters["stats"]["unique_graphs"] - graphs_before
+    assert graphs + len(chunk_compiles) <= 2, (graphs, len(chunk_compiles))
+    assert len(fxmem.compilations(fn.compiled)) == 1 and fn.chosen_microbatch_size() == m
+
+    # Sensitivity C with padding: dropping the last example of a padded batch moves the sum by <= C.
+    ids = torch.randint(0, 32, (13, 4), generator=g)
+    full, fewer = fn(params, ids, ids)[0], fn(params, ids[:-1], ids[:-1])[0]
+    assert l2({k: full[k] - fewer[k] for k in full}) <= C * (1 + 1e-5)
+
+    def peak(b):
+        ids = torch.randint(0, 32, (b, 4), generator=g)
+        with step_perf("cpu") as perf:
+            out = fn(params, ids, ids)
+        del out
+        return perf.result.peak_bytes
+
+    # Five chunks peak as one does, up to a param-sized buffer or two (the running sums), far
+    # below the 37 examples' per-example gradients that an unchunked step holds.
+    one_chunk, five_chunks = peak(m), peak(5 * m - 3)
+    param_bytes = sum(v.numel() * v.element_size() for v in params.values())
+    assert five_chunks - one_chunk <= 2 * param_bytes < (5 * m - 3) * param_bytes / 10, (one_chunk, five_chunks)
+
+
 def test_same_sums_as_opake(tiny_gpt):
     """opake's clipped_grad (the semantics fxmem.dpsgd follows) gives the reference's sums."""
     opake_clipping = pytest.importorskip("opake.dpsgd.clipping")
@@ -129,6 +192,73 @@ def test_bfloat16_params_sum_in_float32():
                                        y.bfloat16().float()), (1, 2))
     assert all(g.dtype == torch.bfloat16 for g in grads.values())
     assert_grads_close({k: v.float() for k, v in grads.items()}, want, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_bf16_autocast_sums_within_2e2_of_fp32_and_every_clipped_norm_within_C(tiny_gpt):
+    """Under CPU bf16 autocast the model's matmuls run in bf16, but the per-example gradients of
+    the fp32 parameters, their norms, clip factors and sums stay fp32: the sums are within 2e-2
+    of the fp32 loop, and each example's clipped gradient (a batch of one: the same compiled
+    chunk, padded) has norm <= C."""
+    loss, C, params, ids, labels, (want, want_norms, _) = tiny_gpt
+    fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=4, return_norms=True, options=EAGER)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads, norms = fn(params, ids, labels)
+        singles = [fn(params, ids[i:i + 1], labels[i:i + 1])[0] for i in range(B_GPT)]
+    assert fn.chosen_microbatch_size() == 4 and len(fn.plans) == 1
+    assert all(g.dtype == torch.float32 for g in grads.values()) and norms.dtype == torch.float32
+    assert_grads_close(grads, want, rtol=2e-2)
+    assert rel_err(norms, want_norms) <= 2e-2
+    assert 0 < rel_err(norms, want_norms)  # bf16 did run: not the fp32 result
+    assert (norms > C).any()  # some examples were clipped
+    for one in singles:
+        assert l2(one) <= C
+    summed = {k: sum(one[k] for one in singles) for k in grads}
+    assert_grads_close(grads, summed, rtol=1e-5)  # the batch's sum is the sum of its examples'
+
+
+def _mlp_task(batch=32):
+    torch.manual_seed(0)
+    p = {"w1": torch.randn(64, 256) * 0.1, "b1": torch.zeros(256), "w2": torch.randn(256, 64) * 0.1}
+    x, y = torch.randn(batch, 64), torch.randn(batch, 64)
+
+    def loss(p, x, y):
+        return ((torch.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2).sum()
+
+    return loss, p, x, y
+
+
+@pytest.mark.slow
+def test_auto_picks_a_fixed_chunk_that_fits_with_at_most_two_compiles_and_keeps_it():
+    from torch._dynamo.utils import counters
+
+    from fxmem.profiling import step_perf
+
+    loss, p, x, y = _mlp_task()
+    budget = 1_500_000  # per-example gradients: 132 KB each, so the whole batch (4.2 MB) does not fit
+    graphs_before = counters["stats"]["unique_graphs"]
+    fn = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size="auto", memory_budget=budget,
+                      options={**EAGER, "ghost_clipping": False})
+    grads = fn(p, x, y)
+    choice = fn.auto
+    assert 1 < choice.chosen < 32 and fn.chosen_microbatch_size() == choice.chosen
+    assert 1 <= len(choice.measured) <= 2 and choice.measured[choice.chosen] <= budget
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(choice.measured)
+    assert_grads_close(grads, reference(loss, 1.0, (p, x, y), (1, 2))[0])
+    with step_perf("cpu") as perf:
+        out = fn(p, x, y)
+    del out
+    assert perf.result.peak_bytes <= budget
+    for b in (5, 40, 17):  # the choice is kept: other batch sizes, no new compile
+        got = fn(p, torch.randn(b, 64), torch.randn(b, 64))
+        assert set(got) == set(p)
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(choice.measured)
+    assert fn.auto is choice
+
+    tiny = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size="auto", memory_budget=1000,
+                        options=EAGER)
+    with pytest.raises(MemoryError, match="memory_budget 1000 bytes is below the peak of one example"):
+        tiny(p, x, y)
 
 
 def test_return_flags_and_empty_batch(tiny_gpt):

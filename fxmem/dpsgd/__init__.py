@@ -16,6 +16,10 @@
         acct.step(noise_multiplier=1.1, sample_rate=expected_batch_size / len(dataset))
     acct.epsilon(delta=1e-5)
 
+or the whole loop (``training.py``): ``train(DPSGD(loss_fn, trainable, opt, clipping_norm=1.0,
+noise_multiplier=1.1, expected_batch_size=32, dataset_size=len(dataset), frozen_args=(frozen,)),
+poisson_loader(dataset, 32), log_every=10, log=print)``; ``python -m fxmem dpsgd-demo`` runs one.
+
 Accounting needs ``opacus`` (the ``dpsgd`` extra).
 """
 
@@ -23,10 +27,15 @@ from .accounting import ACCOUNTANTS, PrivacyAccountant, epsilon, noise_multiplie
 from .clipping import ClippedGradFn, clip_factor, clipped_grad
 from .functional import make_functional
 from .noise import add_noise
+from .sampling import PoissonSampler, poisson_loader
+from .training import DPSGD, StepLog, train
 
 __all__ = [
     "ACCOUNTANTS",
     "ClippedGradFn",
+    "DPSGD",
+    "PoissonSampler",
+    "StepLog",
     "PrivacyAccountant",
     "add_noise",
     "clip_factor",
@@ -34,4 +43,6 @@ __all__ = [
     "epsilon",
     "make_functional",
     "noise_multiplier_for",
+    "poisson_loader",
+    "train",
 ]

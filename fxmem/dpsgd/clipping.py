@@ -37,6 +37,7 @@ from torch.func import grad_and_value, vmap
 from torch.utils import _pytree as pytree
 
 from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
+from . import auto, chunks
 
 __all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
 
@@ -133,12 +134,16 @@ def _example_norms(g: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Ten
     return torch.linalg.vector_norm(rows, dim=1)
 
 
-def _sum_clipped(leaves: list[torch.Tensor], clipping_norm: float):
+def _sum_clipped(leaves: list[torch.Tensor], clipping_norm: float,
+                 weights: torch.Tensor | None = None):
     """Per-example norms, clip factors and the batch sums of the clipped leaves: the epilogue
-    that fxmem's per-example pass runs chunk by chunk. Plain ops only (nan_to_num, reshape,
-    vector_norm, pointwise, view, mul, sum over dim 0), one leaf at a time: no ``[B, P]``
-    concatenation, and each weighted sum is the ``(g * factor.view(-1, 1, ...)).sum(0)`` that the
-    pass turns into a matrix-vector product (no clipped copy of ``g``)."""
+    that fxmem's per-example pass runs chunk by chunk. With ``weights`` (``[B]``, 0 for the
+    padding of a fixed-size chunk) each clip factor is multiplied by its example's weight and
+    the sums stay in the accumulation dtype (the caller adds the chunks up and rounds once).
+    Plain ops only (nan_to_num, reshape, vector_norm, pointwise, view, mul, sum over dim 0),
+    one leaf at a time: no ``[B, P]`` concatenation, and each weighted sum is the
+    ``(g * factor.view(-1, 1, ...)).sum(0)`` that the pass turns into a matrix-vector product
+    (no clipped copy of ``g``)."""
     # Non-finite gradient elements count as 0 (opake's clip_pytree does the same): the norm and
     # the clip factor stay finite, so one bad example cannot turn the whole sum into nan.
     leaves = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in leaves]
@@ -154,11 +159,13 @@ def _sum_clipped(leaves: list[torch.Tensor], clipping_norm: float):
         sq = n.square() if sq is None else sq + n.square()
     norms = sq.sqrt()
     factor = clip_factor(norms, clipping_norm, _guard(acc, sum(g[0].numel() for g in leaves)))
+    if weights is not None:
+        factor = factor * weights.to(acc)
     sums = []
     for g in leaves:
         wide = g if g.dtype == acc else g.to(acc)
         total = (wide * factor.view(-1, *[1] * (g.dim() - 1))).sum(0)
-        sums.append(total if g.dtype == acc else total.to(g.dtype))
+        sums.append(total if g.dtype == acc or weights is not None else total.to(g.dtype))
     return sums, norms
 
 
@@ -166,13 +173,25 @@ def _sum_clipped(leaves: list[torch.Tensor], clipping_norm: float):
 
 
 def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...] | int,
-               batch_argnums: tuple[int, ...], return_norms: bool, return_losses: bool):
+               batch_argnums: tuple[int, ...], return_norms: bool, return_losses: bool,
+               weighted: bool = False):
+    """The compiled step. ``weighted``: its last argument is the examples' weights ``[B]`` (see
+    ``chunks.py``); they pass through the ``vmap`` (as the loss's aux value) so that the
+    per-example pass sees them as per-example values, and scale the clip factors."""
+    def loss_and_weight(*args):
+        return loss_fn(*args[:-1]), args[-1]
+
     def clipped_grad_step(*args):
         in_dims = tuple(0 if i in batch_argnums else None for i in range(len(args)))
-        g, losses = vmap(grad_and_value(loss_fn, argnums=argnums), in_dims=in_dims,
-                         randomness="different")(*args)
+        weights = None
+        if weighted:
+            g, (losses, weights) = vmap(grad_and_value(loss_and_weight, argnums=argnums, has_aux=True),
+                                        in_dims=in_dims[:-1] + (0,), randomness="different")(*args)
+        else:
+            g, losses = vmap(grad_and_value(loss_fn, argnums=argnums), in_dims=in_dims,
+                             randomness="different")(*args)
         leaves, spec = pytree.tree_flatten(g)
-        sums, norms = _sum_clipped(leaves, clipping_norm)
+        sums, norms = _sum_clipped(leaves, clipping_norm, weights)
         out = (pytree.tree_unflatten(sums, spec),)
         if return_norms:
             out += (norms,)
@@ -208,10 +227,18 @@ class ClippedGradFn:
         self.options = options
         grad_argnums = argnums[0] if len(argnums) == 1 else argnums
         self._grad_argnums = grad_argnums
+        # An int microbatch (or "auto", once it has chosen one): the compiled step always sees
+        # exactly that many examples (the last chunk padded, see chunks.py), so every batch
+        # size runs on one compile.
+        self._fixed = microbatch_size is not None
+        self._m = microbatch_size if isinstance(microbatch_size, int) else None
+        self.auto: auto.AutoChoice | None = None  # what "auto" decided (auto.py)
         self._step = _make_step(loss_fn, clipping_norm, grad_argnums, batch_argnums,
-                                return_norms, return_losses)
+                                return_norms, return_losses, weighted=self._fixed)
         ignore_once_warnings()  # HF's logger.warning_once would split the vmap region
-        self.compiled = torch.compile(self._step, backend="fxmem", options=options)
+        self._compiled_at: dict[int, Callable] = {}
+        self.compiled = self._compile_at(self._m) if self._fixed else \
+            torch.compile(self._step, backend="fxmem", options=options)
         self.plans: list = []  # fxmem.per_example.ChunkPlan of every compile of this step
         self._warned = False
 
@@ -253,7 +280,9 @@ class ClippedGradFn:
         # compiled step without autograd tracking gives AOTAutograd a forward-only graph (and
         # the per-example pass chunks only such graphs).
         with torch.no_grad():
-            out = self.compiled(*args)
+            if self._fixed and self._m is None:
+                self._choose(args, batch)
+            out = self._in_chunks(args, batch) if self._fixed else self.compiled(*args)
         params = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
         for c in compilations(self.compiled, match=params):  # what the per-example pass decided
             if c.chunk_plan is not None and all(p is not c.chunk_plan for p in self.plans):
@@ -269,24 +298,90 @@ class ClippedGradFn:
             return out[0]
         return out
 
-    def _empty(self, args):
-        diff = args[self._grad_argnums] if isinstance(self._grad_argnums, int) else \
+    def _in_chunks(self, args, batch: int) -> tuple:
+        """The compiled step over chunks of exactly ``microbatch_size`` examples, the last one
+        padded with examples of weight 0; sums added up in float32, per-example outputs cut to
+        the real examples."""
+        m = self._m
+        device = self._batch_tensor(args).device
+        acc, spec = chunks.Accumulator(), None
+        for start in chunks.starts(batch, m):
+            size = min(m, batch - start)
+            chunk_args, weights = chunks.pad(args, self.batch_argnums, start, size, m, device)
+            out = self.compiled(*chunk_args, weights)
+            leaves, spec = pytree.tree_flatten(out[0])
+            acc.add(leaves, out[1:], size)
+            del out, leaves
+        dtypes = [t.dtype for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor)]
+        sums, per_example = acc.result(dtypes)
+        return (pytree.tree_unflatten(sums, spec), *per_example)
+
+    def _compile_at(self, m: int | None) -> Callable:
+        """The step compiled for chunks of ``m`` (``"auto"``: one per size it tried)."""
+        if m not in self._compiled_at:
+            opts = {k: v for k, v in self.options.items() if k != "memory_budget"}
+            self._compiled_at[m] = torch.compile(self._step, backend="fxmem",
+                                                 options={**opts, "microbatch_size": m})
+        return self._compiled_at[m]
+
+    def _choose(self, args, batch: int) -> None:
+        """``microbatch_size="auto"``: the largest chunk size (at most this first batch's size)
+        whose step fits ``memory_budget`` (auto.py), chosen once and kept."""
+        from ..options import parse_bytes
+        from ..profiling import step_perf
+
+        device = self._batch_tensor(args).device
+
+        def peak(run: Callable) -> int:
+            with step_perf(device) as perf:
+                out = run()
+            del out
+            return perf.result.peak_bytes
+
+        def eager_peak(m: int) -> int:
+            chunk, w = chunks.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
+            return peak(lambda: self._step(*chunk, w))
+
+        def compile_and_measure(m: int) -> int:
+            self._m, self.compiled = m, self._compile_at(m)
+            chunk, w = chunks.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
+            self.compiled(*chunk, w)  # compiles; first-call allocations are not the step's
+            # a chunk after the first runs beside the running float32 sums
+            return peak(lambda: self.compiled(*chunk, w)) + sums
+
+        sums = sum(t.numel() * 4 for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor))
+        self.auto = auto.choose(parse_bytes(self.memory_budget, "memory_budget"), batch, sums, eager_peak,
+                                compile_and_measure)
+        self._m, self.compiled = self.auto.chosen, self._compile_at(self.auto.chosen)
+        if self.auto.measured[self._m] > self.auto.budget:
+            warnings.warn(f"fxmem clipped_grad: microbatch_size='auto' found no size within memory_budget "
+                          f"{self.auto.budget} bytes; using {self._m} (measured {self.auto.measured[self._m]})",
+                          RuntimeWarning, stacklevel=3)
+
+    def _diff_args(self, args):
+        return args[self._grad_argnums] if isinstance(self._grad_argnums, int) else \
             tuple(args[i] for i in self._grad_argnums)
-        grads = pytree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, diff)
+
+    def _batch_tensor(self, args) -> torch.Tensor:
+        return next(t for i in self.batch_argnums for t in pytree.tree_leaves(args[i])
+                    if isinstance(t, torch.Tensor))
+
+    def _empty(self, args):
+        grads = pytree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t,
+                                self._diff_args(args))
         if not self.return_norms and not self.return_losses:
             return grads
-        ref = next(t for i in self.batch_argnums for t in pytree.tree_leaves(args[i])
-                   if isinstance(t, torch.Tensor))
-        empty = torch.zeros(0, device=ref.device)
+        empty = torch.zeros(0, device=self._batch_tensor(args).device)
         return (grads,) + (empty,) * (int(self.return_norms) + int(self.return_losses))
 
     def chosen_microbatch_size(self) -> int | None:
         """The microbatch size of the latest compile (``"auto"`` resolved to a number), or None
         when it was not chunked (``microbatch_size=None``, or the per-example pass could not
         prove the graph chunkable: ``plans[-1].reason`` says why) or nothing ran yet."""
-        if not self.plans or not self.plans[-1].chunked:
+        plans = [p for p in self.plans if p.requested == self._m] if self._fixed else self.plans
+        if not plans or not plans[-1].chunked:
             return None
-        return self.plans[-1].microbatch_size
+        return plans[-1].microbatch_size
 
 
 def clipped_grad(
@@ -313,9 +408,12 @@ def clipped_grad(
             pytrees of tensors, all with the same batch size).
         argnums: positions of the arguments to differentiate (no batch dim). An int gives grads
             in that argument's pytree; a tuple gives a tuple of them.
-        microbatch_size: None (whole batch at once), a positive int m (fxmem runs the per-example
-            region and its clipping in chunks of m examples, the last one smaller), or "auto"
-            (the largest m whose step fits in ``memory_budget``).
+        microbatch_size: None (whole batch at once), a positive int m (the per-example region
+            and its clipping run in chunks of exactly m examples, the last one padded with
+            examples of weight 0: one compile serves every batch size, so Poisson-sampled
+            batches never recompile), or "auto" (the largest m, at most the first batch's size,
+            whose step fits in ``memory_budget``: predicted from two eager runs, checked by
+            measuring the compiled step; see ``auto.py``; ``.auto`` records it).
         memory_budget: bytes (int, or "128MB", "1GiB"); required with "auto".
         return_norms: also return the per-example gradient norms before clipping, shape [B].
         return_losses: also return the per-example losses, shape [B].
