@@ -44,7 +44,9 @@ implementation (AOTAutograd cannot trace it: its target check reads a value), so
 regions the loss goes through per-token losses and :class:`functions._RowsLCEBackward`.
 
 Where it runs: on every graph the backend compiles, whole graphs and the chunk graphs of a
-per-example region (``microbatch_size`` set, or ``ghost_clipping`` on, the default) alike.
+per-example region (``microbatch_size`` set, or ``ghost_clipping`` on, the default) alike; in
+chunk graphs with ghost clipping the fused cross-entropy only when asked for by name or by
+``lowering=True`` (``fxmem.backend._chunk_lowering``).
 
 The logits: an HF causal LM returns its logits as well as the loss. The loss is lowered anyway;
 the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for the output, and
