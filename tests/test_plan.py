@@ -34,7 +34,8 @@ def _run(workload, **options):
 def _saved_bytes_at_runtime(workload, **options):
     """Bytes of the tensors autograd actually keeps from the compiled forward (inputs excluded)."""
     model = copy.deepcopy(workload.model)
-    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    # Unlowered, like _run's plans that these bytes are compared with
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "lowering": False, **options})
     # graph inputs and views of them cost nothing: their storage exists anyway
     keep = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *workload.batch.values()]}
     seen = {}
