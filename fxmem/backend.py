@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch
@@ -72,13 +73,13 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
     """Lowering, AOTAutograd with fxmem's partitioner, the inner compiler, the reports."""
     opts = comp.options
     try:
-        gm, lowered = _lower(gm, example_inputs, opts)
+        lowered_gm, lowered = _lower(gm, example_inputs, opts)
         log.debug("fxmem lowering: %d patterns lowered, %d skipped", len(lowered.lowered), len(lowered.skipped))
         partitioner = Partitioner(opts)
-        compiled = inner.compile_joint(gm, example_inputs, opts.inner, partitioner)
+        compiled = inner.compile_joint(lowered_gm, example_inputs, opts.inner, partitioner)
     except Exception as e:  # noqa: BLE001
         stage_failed("compile", e, opts)
-        return inner.compile_safe(gm, example_inputs)
+        return inner.compile_safe(gm, example_inputs)  # the graph as Dynamo gave it: no lowering
     log.debug("fxmem compile: %s inner compiler done, %d plan(s)", opts.inner, len(partitioner.planned))
     publish(comp, partitioner.planned, lowered)
     return compiled
@@ -87,13 +88,17 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
 def _lower(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> tuple[fx.GraphModule, lowering.Lowering]:
     """Pattern lowering, kept only if it lowers the step's simulated peak: the lowered and the
     unlowered graph are both planned (AOTAutograd with the eager inner compiler, which traces and
-    plans but runs nothing) and the lowered one must peak lower (the report says so otherwise;
-    a tie is declined: the fused kernels' own buffers are the estimate's least certain part)."""
+    plans but runs nothing) and the lowered one must peak lower, and plan where the unlowered one
+    plans (the report says so otherwise; a tie is declined: the fused kernels' own buffers are
+    the estimate's least certain part)."""
     lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
     if not lowered.lowered:
         return lowered_gm, lowered
     with_lowering, without = _planned_peak(lowered_gm, example_inputs, opts), _planned_peak(gm, example_inputs, opts)
     log.debug("fxmem lowering: planned peak %s bytes lowered, %s unlowered", with_lowering, without)
+    if with_lowering is None and without is not None:
+        return gm, lowered.declined("not applied: the graph with lowering could not be planned (e.g. a fused "
+                                    "kernel's backward differentiated again); the unlowered one could")
     if with_lowering is not None and without is not None and with_lowering >= without:
         return gm, lowered.declined(f"not applied: the plan with lowering peaks at {with_lowering:,} bytes, "
                                     f"not below {without:,} without it")
@@ -119,7 +124,7 @@ def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, 
     (``ghost_clipping``) and the recompute plan of its inner backward, the inner compiler, the
     reports. In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch
     size), so the inner planner gets the level and rules only."""
-    opts = replace(opts, memory_budget=None)
+    opts = replace(opts, memory_budget=None, lowering=_chunk_lowering(opts))
     gm, lowered = lowering.lower(gm, example_inputs, opts)
     partitioner = Partitioner(opts)
     ghost = per_example.Ghost(opts, gm)
@@ -130,6 +135,17 @@ def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, 
     publish(comp, partitioner.planned, lowered)
     materialized = lambda ins: _compile_chunk(gm, ins, comp, replace(opts, ghost_clipping=False))  # noqa: E731
     return ghost.guard(compiled, materialized)
+
+
+def _chunk_lowering(opts: Options) -> bool | Mapping[str, bool]:
+    """The lowering of a per-example chunk graph: with ghost clipping, the fused cross-entropy
+    computes the output projection's per-example weight gradient itself, so it would be
+    materialized instead of getting a ghost norm; the pattern is lowered there only when asked
+    for (``lowering=True``, or the dict names it), not by a dict that leaves it out (the default)."""
+    name = "fused_linear_cross_entropy"
+    if not opts.ghost_clipping or isinstance(opts.lowering, bool) or name in opts.lowering:
+        return opts.lowering
+    return MappingProxyType({**opts.lowering, name: False})
 
 
 def _compile_id():

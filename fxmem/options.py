@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -79,11 +79,11 @@ class Options:
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
     # Pattern lowering to fxmem_kernels (fxmem/lowering/patterns.py): True, False, or a dict
-    # pattern -> bool (patterns not named stay on), kept only when the lowered plan's simulated
-    # peak is not higher (fxmem.backend._lower). Off by default until the test suite's planner
-    # tests are split from lowering's (issue "[defaults]"); RECOMMENDED_LOWERING is every
-    # pattern but dropout (seeded dropout draws other masks than aten's dropout for the same seed).
-    lowering: bool | Mapping[str, bool] = False
+    # pattern -> bool (patterns not named stay on). On by default for every pattern but dropout
+    # (RECOMMENDED_LOWERING: seeded dropout draws other masks than aten's dropout for the same
+    # seed), and kept only when the lowered plan's simulated peak is not higher
+    # (fxmem.backend._lower); never under autocast.
+    lowering: bool | Mapping[str, bool] = field(default_factory=lambda: RECOMMENDED_LOWERING)
     ghost_clipping: bool = True
     report: bool = False
     report_path: str | None = None

@@ -11,8 +11,10 @@ implementation, its functional ``torch.library`` ops (``fxmem::<name>`` and
     seeded_dropout         mask regenerated from a seed in backward: nothing mask-sized kept
     clip_and_accumulate    per-example norms, clip factors and fp32 clipped sums in one pass
 
-Every function takes ``impl="auto" | "torch" | "triton"``: "auto" runs Triton on CUDA tensors and
-PyTorch elsewhere; "triton" on CPU tensors runs the Triton interpreter (tests).
+Every function takes ``impl="auto" | "torch" | "triton"``: "auto" runs the portable PyTorch
+implementation, and Triton on CUDA tensors when ``FXMEM_KERNELS_TRITON=1`` (off until the
+kernels' CUDA tests, ``pytest -m cuda``, have passed on a GPU); "triton" always runs Triton (on
+CPU tensors through the Triton interpreter: tests).
 """
 from .bias_gelu import bias_gelu
 from .clip_accumulate import clip_and_accumulate, clipped_sum, per_example_norms

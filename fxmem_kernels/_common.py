@@ -12,6 +12,7 @@ The pattern each family follows (see NOTES.md, "Custom ops, vmap and grad"):
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import torch
@@ -26,11 +27,30 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 IMPLS = ("auto", "torch", "triton")
 
+# The Triton kernels have run only in Triton's interpreter and been compiled for sm_90 here, not
+# yet run on a GPU: until the CUDA tests (``pytest -m cuda``, which compare them with the portable
+# implementations) pass on one, ``impl="auto"`` runs the portable PyTorch implementations on CUDA
+# too (correct on any device), and this variable opts in to Triton there. Read at each call;
+# under torch.compile, when the call is traced.
+ENV_TRITON = "FXMEM_KERNELS_TRITON"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def triton_on_cuda() -> bool:
+    """Whether ``impl="auto"`` runs the Triton kernels on CUDA tensors: ``FXMEM_KERNELS_TRITON=1``
+    (default off: the portable implementations)."""
+    value = os.environ.get(ENV_TRITON, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"fxmem_kernels: {ENV_TRITON}={os.environ[ENV_TRITON]!r}; allowed: "
+                         f"1/true/yes/on (Triton on CUDA) or 0/false/no/off/unset (portable PyTorch)")
+    return value in _ON
+
 
 def use_triton(impl: str, x: torch.Tensor) -> bool:
-    """Whether to run the Triton kernels: ``impl="auto"`` means Triton on CUDA tensors and the
-    PyTorch implementation elsewhere; ``"triton"`` on CPU tensors runs the Triton interpreter
-    (tests), ``"torch"`` always the PyTorch implementation."""
+    """Whether to run the Triton kernels: ``impl="auto"`` means the PyTorch implementation, or
+    Triton on CUDA tensors when :func:`triton_on_cuda` (``FXMEM_KERNELS_TRITON=1``); ``"triton"``
+    always Triton (on CPU tensors through the interpreter: tests), ``"torch"`` always the PyTorch
+    implementation."""
     if impl not in IMPLS:
         raise ValueError(f"fxmem_kernels: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
@@ -39,7 +59,7 @@ def use_triton(impl: str, x: torch.Tensor) -> bool:
         if not HAS_TRITON:
             raise RuntimeError("fxmem_kernels: impl='triton' needs the triton package")
         return True
-    return HAS_TRITON and x.is_cuda
+    return HAS_TRITON and x.is_cuda and triton_on_cuda()
 
 
 @functools.lru_cache(maxsize=None)

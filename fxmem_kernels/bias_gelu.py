@@ -141,5 +141,5 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none
               impl: str = "auto") -> Tensor:
     """``gelu(x + bias)`` (``approximate`` "none" for erf, "tanh" for GPT-2's form) that keeps
     ``x`` rather than the pre-activation for backward. Works under ``torch.func.vmap`` and
-    ``vmap(grad(...))``; ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA)."""
+    ``vmap(grad(...))``; ``impl`` picks "triton", "torch" or "auto" (see FXMEM_KERNELS_TRITON)."""
     return _BiasGelu.apply(x, bias, approximate, impl)

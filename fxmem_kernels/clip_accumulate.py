@@ -21,8 +21,8 @@ It reads every gradient twice (once for the norms, once for the sum) and never w
 copy: the unfused ``(g * factor.view(-1, 1, ...)).sum(0)`` makes one of the size of ``g`` per
 parameter.
 
-Implementations (``impl``: "auto" = Triton on CUDA, PyTorch elsewhere; "triton" on CPU tensors
-runs the Triton interpreter, which the tests use):
+Implementations (``impl``: "auto" = PyTorch, Triton on CUDA with ``FXMEM_KERNELS_TRITON=1``;
+"triton" on CPU tensors runs the Triton interpreter, which the tests use):
 
 - PyTorch. Norms: ``torch.linalg.vector_norm`` over runs of 1024 elements of the ``[m, n]``
   view, combined in float64, read in place at any strides for float32/float64 gradients (one
@@ -408,7 +408,7 @@ def clip_and_accumulate(grads: Sequence[Tensor], accumulators: Sequence[Tensor],
     convention; ``norm_i`` = example ``i``'s L2 norm over all parameters). ``clipping_norm``
     None or inf: no clipping, the plain sum. Returns the norms ``[m]`` (float32). Not
     differentiable (raises if grad mode is on and an input requires grad). ``impl``: "auto"
-    (Triton on CUDA, PyTorch elsewhere), "torch" or "triton" (the interpreter on CPU)."""
+    (see FXMEM_KERNELS_TRITON), "torch" or "triton" (the interpreter on CPU)."""
     _check_grads(grads)
     _check_accumulators(grads, accumulators)
     c = _clip_value(clipping_norm, eps)

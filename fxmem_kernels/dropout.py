@@ -214,7 +214,7 @@ def seeded_dropout(x: Tensor, p: float, seed: Union[int, Tensor, None] = None,
 
     ``p`` in [0, 1); ``seed`` an int, a 0-dim integer tensor, or None to draw one from torch's
     default generator; ``training=False`` returns ``x``. ``impl`` picks "triton", "torch" or
-    "auto" (Triton on CUDA); the two draw different masks (see the module docstring). Works under
+    "auto" (see FXMEM_KERNELS_TRITON); the two draw different masks (see the module docstring). Works under
     ``torch.func.vmap`` (each example its own mask) and ``vmap(grad(...))``."""
     _check_p(p)
     if not training:

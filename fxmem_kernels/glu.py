@@ -175,7 +175,7 @@ def _apply(gate: Tensor, up: Tensor, activation: str, impl: str) -> Tensor:
 def swiglu(gate: Tensor, up: Tensor, impl: str = "auto") -> Tensor:
     """``silu(gate) * up`` keeping only ``gate`` and ``up`` for backward. ``gate`` and ``up``
     have the same shape and dtype. Works under ``torch.func.vmap`` and ``vmap(grad(...))``;
-    ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA)."""
+    ``impl`` picks "triton", "torch" or "auto" (see FXMEM_KERNELS_TRITON)."""
     return _apply(gate, up, "silu", impl)
 
 

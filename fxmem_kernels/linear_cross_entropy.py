@@ -590,7 +590,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     integer ``[...]``. ``ignore_index``, ``label_smoothing`` and ``reduction`` ("mean": over
     non-ignored targets, "sum", "none": per token, shaped like ``target``) are as in
     ``F.cross_entropy``; ``softcap=None`` is off. ``workspace_bytes`` bounds the chunk of
-    logits in flight; ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA). ``logits``:
+    logits in flight; ``impl`` picks "triton", "torch" or "auto" (see FXMEM_KERNELS_TRITON). ``logits``:
     ``hidden @ weight.T + bias`` as ``[tokens, V]`` if the caller has them anyway (e.g. to return
     them): read instead of recomputed; no gradient flows into them. Works under
     ``torch.func.vmap``, ``grad`` and ``vmap(grad(...))``; double backward raises."""

@@ -519,7 +519,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
                eps: float = 1e-5, impl: str = "auto") -> Tensor:
     """``F.layer_norm(x, x.shape[-1:], weight, bias, eps)`` that keeps ``x`` and fp32 per-row
     mean/rstd for backward. Works under ``torch.func.vmap`` and ``vmap(grad(...))``; ``impl``
-    picks "triton", "torch" or "auto" (Triton on CUDA)."""
+    picks "triton", "torch" or "auto" (see FXMEM_KERNELS_TRITON)."""
     _check("layer_norm", x, eps, weight=weight, bias=bias)
     use_triton(impl, x)  # validates impl
     return _LayerNorm.apply(x, weight, bias, float(eps), impl)[0]
@@ -530,7 +530,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
     """``x * rsqrt(mean(x^2) + eps) * (offset + weight)`` over the last dim (``offset=1.0`` is
     Gemma's form; ``offset=0`` matches HF ``LlamaRMSNorm`` bit for bit in 16-bit dtypes) that
     keeps ``x`` and fp32 per-row rstd for backward. Works under ``torch.func.vmap`` and
-    ``vmap(grad(...))``; ``impl`` picks "triton", "torch" or "auto" (Triton on CUDA)."""
+    ``vmap(grad(...))``; ``impl`` picks "triton", "torch" or "auto" (see FXMEM_KERNELS_TRITON)."""
     _check("rms_norm", x, eps, weight=weight)
     use_triton(impl, x)
     return _RMSNorm.apply(x, weight, float(eps), float(offset), impl)[0]

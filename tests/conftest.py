@@ -1,7 +1,14 @@
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Scripts the tests run in subprocesses (README blocks, the CLI, distributed workers) import this
+# checkout's fxmem, not whichever one is pip-installed (an editable install of another checkout
+# would otherwise win: a script's sys.path has its own folder, not the working directory).
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # ci: the same examples on every run (derandomized), so CI is reproducible; thorough: random.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,

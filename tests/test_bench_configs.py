@@ -50,3 +50,22 @@ def test_each_budget_config_partitions_with_its_own_budget_in_one_process(kind, 
             configs.build(copy.deepcopy(model), configs.parse(spec))(x).sum().backward()
     assert budgets == [1.0, 0.5, 0.1]
     assert torch._functorch.config.activation_memory_budget == 1.0
+
+
+@pytest.mark.parametrize("spec, lowering", [("fxmem-eager+loss_only", False), ("fxmem-inductor-level1", False),
+                                            ("fxmem-eager+lowering+loss_only", True),
+                                            ("fxmem-eager-defaults+loss_only", {"dropout": False})])
+def test_fxmem_configs_pin_lowering_off_unless_they_ask_for_lowering_or_the_defaults(spec, lowering, monkeypatch):
+    import torch
+
+    from fxmem.options import resolve
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, backend, options: seen.append(options) or model)
+    model = torch.nn.Linear(2, 2)
+    model.loss_function = None  # an HF-like model, for the loss_only configurations
+    configs.build(model, configs.parse(spec))
+    assert seen[0]["inner"] == configs.parse(spec).options["inner"]
+    got = resolve(seen[0], env={}).lowering
+    assert (got if isinstance(got, bool) else dict(got)) == lowering
+    assert ("lowering" in seen[0]) == isinstance(lowering, bool)  # the defaults config: fxmem's own

@@ -32,7 +32,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, use_cache=False))
 assert getattr(model.config, "loss_type", None) is None
-compiled = torch.compile(model, backend="fxmem", options={{"inner": "eager", "lowering": True}})
+compiled = torch.compile(model, backend="fxmem", options={{"inner": "eager"}})  # default: lowering on
 ids = torch.randint(0, 512, (2, 32))
 compiled(input_ids=ids, labels=ids).loss.backward()
 import fxmem
@@ -179,9 +179,9 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
     assert declined == off
 
 
-def test_recommended_lowering_lowers_a_real_vocabulary_and_keeps_the_gradients():
-    """Qwen2-family, vocab 8192, loss only: every pattern but dropout (the intended default) lowers
-    the peak, and the gradients equal the unlowered compile's."""
+def test_default_options_lower_a_real_vocabulary_and_keep_the_gradients():
+    """Qwen2-family, vocab 8192, loss only: lowering is on by default for every pattern but
+    dropout, it lowers the peak, and the gradients equal the unlowered compile's."""
     from fxmem.models import build
 
     def step(options):
@@ -192,10 +192,8 @@ def test_recommended_lowering_lowers_a_real_vocabulary_and_keeps_the_gradients()
         loss.backward()
         return loss, [p.grad for p in w.model.parameters()], fxmem.report(compiled).graphs[-1]
 
-    from fxmem.options import RECOMMENDED_LOWERING
-
-    ref_loss, ref_grads, ref_report = step({})  # default: no lowering
-    loss, grads, rep = step({"lowering": dict(RECOMMENDED_LOWERING)})
+    ref_loss, ref_grads, ref_report = step({"lowering": False})
+    loss, grads, rep = step({})  # the defaults
     assert {r.pattern for r in rep.lowerings} >= {"fused_linear_cross_entropy", "rms_norm", "swiglu"}
     assert "dropout" not in {r.pattern for r in rep.lowerings}
     assert rep.predict_peak() < ref_report.predict_peak()

@@ -212,3 +212,18 @@ def test_nonfinite_chunk_falls_back_to_materialized(caplog):
     assert all(torch.isfinite(v).all() for v in g_on.values())
     assert_close(g_on, off, rtol=1e-6)
     assert "rerunning it with materialized per-example gradients" in caplog.text
+
+
+def test_chunk_graphs_fuse_the_loss_only_when_it_is_asked_for():
+    """With ghost clipping, a per-example chunk's fused cross-entropy would materialize the output
+    projection's per-example weight gradient: a lowering dict that leaves the pattern out (the
+    default) leaves it unfused there; lowering=True or naming it fuses it."""
+    from fxmem.backend import _chunk_lowering
+    from fxmem.options import resolve
+
+    lce = "fused_linear_cross_entropy"
+    assert dict(_chunk_lowering(resolve({}, env={}))) == {"dropout": False, lce: False}
+    assert _chunk_lowering(resolve({"lowering": True}, env={})) is True
+    assert _chunk_lowering(resolve({"lowering": False}, env={})) is False
+    assert dict(_chunk_lowering(resolve({"lowering": {lce: True}}, env={}))) == {lce: True}
+    assert dict(_chunk_lowering(resolve({"ghost_clipping": False}, env={}))) == {"dropout": False}

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from fxmem.options import Options, Rule, resolve
+from fxmem.lowering import enabled
+from fxmem.options import LOWERING_PATTERNS, Options, Rule, resolve
 
 ENV0 = {}
 
@@ -10,6 +11,8 @@ ENV0 = {}
 def test_defaults():
     o = resolve({}, env=ENV0)
     assert o == Options() and o.level == 0 and o.inner == "inductor" and o.config == ()
+    assert dict(o.lowering) == {"dropout": False}  # every pattern but seeded dropout
+    assert {p.name for p in enabled(o.lowering)} == set(LOWERING_PATTERNS) - {"dropout"}
 
 
 def test_env_and_explicit_precedence():

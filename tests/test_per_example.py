@@ -195,6 +195,11 @@ def test_grad_mode_inputs_fall_back_with_a_warning():
         sums, _ = fn(params, x, y)
     ref_sums, _ = _loop(model, params, x, y)
     torch.testing.assert_close(sums["0.weight"].detach(), ref_sums["0.weight"], rtol=1e-5, atol=1e-6)
+    # The default lowering's fused loss would be differentiated twice here: it is declined, and
+    # the graph is planned (no failed stage), unlowered.
+    (g,) = [g for c in fxmem.compilations(fn) for g in c.graphs]
+    assert not g.report.lowerings and g.plan is not None
+    assert any("not applied: the graph with lowering could not be planned" in n for n in g.report.lowering_notes)
 
 
 def test_report_lists_the_microbatching_decision():

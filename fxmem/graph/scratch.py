@@ -22,11 +22,13 @@ def _arguments(node: fx.Node) -> dict[str, Any]:
 
 
 def _linear_cross_entropy(node: fx.Node) -> sympy.Expr:
+    from fxmem_kernels._common import use_triton
     from fxmem_kernels.linear_cross_entropy import row_bytes
 
     a = _arguments(node)
     h, w, t = (a[k].meta["val"] for k in ("hidden", "weight", "target"))
-    row = row_bytes(int(w.shape[0]), h.dtype, a["softcap"], h.is_cuda and a["impl"] != "torch")
+    triton_path = h.is_cuda and use_triton(a["impl"], h)  # the path the kernel will take
+    row = row_bytes(int(w.shape[0]), h.dtype, a["softcap"], triton_path)
     rows = sympy.Mul(*[dim_expr(d) for d in t.shape], sympy.Integer(1))
     return sympy.Min(rows, max(1, a["workspace_bytes"] // row)) * row
 

@@ -4,10 +4,12 @@ each by a call of a fused ``fxmem_kernels`` kernel, before AOTAutograd different
     gm, lowered = lower(gm, example_inputs, options)   # in the backend, before AOTAutograd
     ...                                                 # lowered.rows(): the report's lowering rows
 
-``options.lowering``: True (every pattern), False (none; the default, see fxmem/options.py for
-why), or a dict pattern -> bool in which patterns not named stay on. ``lower`` works on a copy:
-the graph it was given stays as it was, for a fallback compile. The kernels run with
-``impl="auto"``: Triton on CUDA tensors, their portable PyTorch implementation on CPU.
+``options.lowering``: True (every pattern), False (none), or a dict pattern -> bool in which
+patterns not named stay on; the default, ``{"dropout": False}``, is every pattern but seeded
+dropout (see fxmem/options.py). ``lower`` works on a copy: the graph it was given stays as it
+was, for a fallback compile. The kernels run with ``impl="auto"``: their portable PyTorch
+implementations, on CUDA too unless ``FXMEM_KERNELS_TRITON=1`` (fxmem_kernels/_common.py: the
+Triton kernels are not yet tested on a GPU).
 
 Why the Dynamo (torch-level) graph and not the joint aten graph
 ----------------------------------------------------------------
@@ -42,7 +44,9 @@ implementation (AOTAutograd cannot trace it: its target check reads a value), so
 regions the loss goes through per-token losses and :class:`functions._RowsLCEBackward`.
 
 Where it runs: on every graph the backend compiles, whole graphs and the chunk graphs of a
-per-example region (``microbatch_size`` set, or ``ghost_clipping`` on, the default) alike.
+per-example region (``microbatch_size`` set, or ``ghost_clipping`` on, the default) alike; in
+chunk graphs with ghost clipping the fused cross-entropy only when asked for by name or by
+``lowering=True`` (``fxmem.backend._chunk_lowering``).
 
 The logits: an HF causal LM returns its logits as well as the loss. The loss is lowered anyway;
 the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for the output, and

@@ -15,7 +15,7 @@ from torch import Tensor
 
 import fxmem_kernels as K
 
-_IMPL = "auto"  # Triton on CUDA tensors, the portable PyTorch implementation elsewhere
+_IMPL = "auto"  # the portable PyTorch implementations; Triton on CUDA with FXMEM_KERNELS_TRITON=1
 _KERNEL_WORKSPACE = K.linear_cross_entropy.__kwdefaults__["workspace_bytes"]
 MIN_WORKSPACE_BYTES = 16 * 2**20
 

@@ -51,7 +51,10 @@ def _train(tmp_path, options=None):
 def test_trainer_with_fxmem_model_gives_eager_loss_curve(tmp_path):
     torch._dynamo.reset()
     eager_losses, eager_params, _ = _train(tmp_path / "eager")
-    losses, params, model = _train(tmp_path / "fxmem", {"inner": "eager", "level": 1})
+    # The planner within the Trainer, compared with eager at 1e-5 after six optimizer steps: no
+    # lowering (the fused kernels of the default sum in another order; tests/test_lowering.py
+    # checks them against the unfused graph).
+    losses, params, model = _train(tmp_path / "fxmem", {"inner": "eager", "level": 1, "lowering": False})
 
     records = [g for c in fxmem.compilations(model) for g in c.graphs]
     assert records and sum(r.plan.saved_bytes for r in records) > 0, "fxmem planned no training graph"

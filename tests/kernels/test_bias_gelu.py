@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from fxmem.profiling import saved_tensor_bytes
 from fxmem_kernels.bias_gelu import bias_gelu, bias_gelu_backward_op, bias_gelu_op
 
-from .util import assert_same
+from .util import assert_same, assert_triton_matches_portable, cuda_test
 
 SHAPES = [(7,), (3, 5), (2, 3, 17)]
 
@@ -85,10 +85,11 @@ def test_compiles_into_a_graph():
     assert_same(compiled, lambda x, b: _ref(x, b, "none"), [x, b])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_triton_matches(dtype):
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_cuda_triton_matches(dtype, approximate):
     x = torch.randn(64, 1000, device="cuda", dtype=dtype, requires_grad=True)
     b = torch.randn(1000, device="cuda", dtype=dtype, requires_grad=True)
-    assert_same(lambda x, b: bias_gelu(x, b, "tanh"), lambda x, b: _ref(x, b, "tanh"), [x, b],
-                dtype=dtype)
+    assert_triton_matches_portable(lambda x, b, impl: bias_gelu(x, b, approximate, impl=impl),
+                                   lambda x, b: _ref(x, b, approximate), [x, b], dtype=dtype)

@@ -13,6 +13,8 @@ from fxmem_kernels.clip_accumulate import (
     per_example_norms_op,
 )
 
+from .util import cuda_test
+
 # Parameter shapes (without the example dim): a matrix, a bias, a scalar, a 3-D tensor.
 SHAPES = [[(3, 4), (7,), (), (2, 3, 5)], [(16,)], [(5, 6), (6,)]]
 IMPLS = ["torch", "triton"]
@@ -355,7 +357,7 @@ def test_triton_kernels_compile_for_cuda():
         assert compiled.asm.get("cubin")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_triton_matches(dtype):
     m = 32
@@ -363,13 +365,16 @@ def test_cuda_triton_matches(dtype):
     grads.append(torch.randn(m, 64, 48, device="cuda", dtype=dtype).transpose(1, 2))
     c = _median_norm([g.cpu() for g in grads])
     want_sums, want_norms = _reference([g.cpu() for g in grads], c)
-    for impl in ("auto", "torch"):
+    got = {}
+    for impl in ("triton", "torch"):
         sums, norms = clipped_sum(grads, c, impl=impl)
-        _assert_close([s.cpu() for s in sums], norms.cpu(), want_sums, want_norms,
-                      rtol=1e-4, atol=1e-5)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    accs = [torch.zeros(g.shape[1:], device="cuda") for g in grads]
-    clip_and_accumulate(grads, accs, c)
-    extra = torch.cuda.max_memory_allocated() - base - sum(a.numel() * 4 for a in accs)
-    assert extra < max(g.numel() * g.element_size() for g in grads)  # no clipped copy
+        got[impl] = [s.cpu() for s in sums], norms.cpu()
+        _assert_close(*got[impl], want_sums, want_norms, rtol=1e-4, atol=1e-5)
+    _assert_close(*got["triton"], *got["torch"], rtol=1e-4, atol=1e-5)
+    for impl in ("triton", "torch"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        accs = [torch.zeros(g.shape[1:], device="cuda") for g in grads]
+        clip_and_accumulate(grads, accs, c, impl=impl)
+        extra = torch.cuda.max_memory_allocated() - base - sum(a.numel() * 4 for a in accs)
+        assert extra < max(g.numel() * g.element_size() for g in grads), impl  # no clipped copy

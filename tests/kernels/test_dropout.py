@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from fxmem.profiling import saved_tensor_bytes
 from fxmem_kernels.dropout import seeded_dropout, seeded_dropout_backward_op, seeded_dropout_op
 
-from .util import TOL
+from .util import TOL, cuda_test
 
 IMPLS = ["torch", "triton"]
 SHAPES = [(7,), (3, 5), (2, 3, 17)]
@@ -200,9 +200,9 @@ def test_compiles_into_a_graph():
         assert torch.equal(torch.autograd.grad(a.sum(), x)[0], torch.autograd.grad(b.sum(), x)[0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", ["auto", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_cuda(dtype, impl):
     x, w = _x((64, 1000), dtype, "cuda"), torch.randn(64, 1000, device="cuda")
     y, g = _step(x, 0.2, 42, impl, w)
@@ -212,3 +212,16 @@ def test_cuda(dtype, impl):
     y2, g2 = _step(x, 0.2, 42, impl, w)
     assert torch.equal(y, y2) and torch.equal(g, g2)
     assert abs(keep.float().mean().item() - 0.8) < 0.01
+
+
+@cuda_test
+def test_cuda_auto_draws_the_portable_masks_unless_triton_is_opted_in(monkeypatch):
+    """The two implementations draw different masks for one seed: "auto" on CUDA draws the
+    portable one's by default, Triton's with FXMEM_KERNELS_TRITON=1."""
+    x, w = _x((64, 1000), device="cuda"), torch.randn(64, 1000, device="cuda")
+    masks = {impl: _step(x, 0.5, 7, impl, w)[0] != 0 for impl in ("triton", "torch")}
+    assert not torch.equal(masks["triton"], masks["torch"])
+    monkeypatch.delenv("FXMEM_KERNELS_TRITON", raising=False)
+    assert torch.equal(_step(x, 0.5, 7, "auto", w)[0] != 0, masks["torch"])
+    monkeypatch.setenv("FXMEM_KERNELS_TRITON", "1")
+    assert torch.equal(_step(x, 0.5, 7, "auto", w)[0] != 0, masks["triton"])

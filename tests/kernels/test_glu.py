@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from fxmem.profiling import saved_tensor_bytes
 from fxmem_kernels.glu import geglu, glu_backward_op, glu_op, swiglu
 
-from .util import assert_same
+from .util import assert_same, assert_triton_matches_portable, cuda_test
 
 SHAPES = [(7,), (3, 5), (2, 3, 17)]
 KINDS = ["swiglu", "geglu", "geglu_tanh"]
@@ -136,8 +136,9 @@ def test_compiles_into_a_graph():
     assert_same(compiled, _ref("geglu_tanh"), _inputs((3, 8)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_triton_matches(dtype, kind):
-    assert_same(_fused(kind), _ref(kind), _inputs((64, 1000), dtype, "cuda"), dtype=dtype)
+    assert_triton_matches_portable(lambda g, u, impl: _fused(kind, impl)(g, u), _ref(kind),
+                                   _inputs((64, 1000), dtype, "cuda"), dtype=dtype)

@@ -13,7 +13,7 @@ from fxmem_kernels.norms import (
     rms_norm_op,
 )
 
-from .util import TOL, assert_same
+from .util import TOL, assert_same, assert_triton_matches_portable, cuda_test
 
 SHAPES = [(7,), (3, 5), (2, 3, 17)]
 PARAMS = ["weight+bias", "weight", "bias", "none"]
@@ -284,13 +284,15 @@ def test_compiles_into_a_graph():
     assert_same(compiled, lambda x, w: _rms_ref(x, w, offset=1.0), [x, w])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@cuda_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_triton_matches(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 1000, device="cuda", generator=g).to(dtype).requires_grad_()
     w = torch.randn(1000, device="cuda", generator=g).to(dtype).requires_grad_()
     b = torch.randn(1000, device="cuda", generator=g).to(dtype).requires_grad_()
-    assert_same(lambda x, w, b: layer_norm(x, w, b), _ln_ref, [x, w, b], dtype=dtype)
-    assert_same(lambda x, w: rms_norm(x, w), _llama_ref, [x, w], dtype=dtype)
-    assert_same(lambda x, w: rms_norm(x, w, offset=1.0), _gemma_ref, [x, w], dtype=dtype)
+    assert_triton_matches_portable(lambda x, w, b, impl: layer_norm(x, w, b, impl=impl), _ln_ref, [x, w, b],
+                                   dtype=dtype)
+    assert_triton_matches_portable(lambda x, w, impl: rms_norm(x, w, impl=impl), _llama_ref, [x, w], dtype=dtype)
+    assert_triton_matches_portable(lambda x, w, impl: rms_norm(x, w, offset=1.0, impl=impl), _gemma_ref, [x, w],
+                                   dtype=dtype)

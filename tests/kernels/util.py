@@ -1,5 +1,8 @@
 """Shared checks for the kernel tests: compare a fused function with its plain PyTorch
 expression (values and gradients), eagerly and under vmap(grad)."""
+import functools
+
+import pytest
 import torch
 
 # Tolerances by dtype: fp32 fused math differs from PyTorch's only by summation order.
@@ -27,3 +30,19 @@ def assert_same(fused, reference, inputs, dtype=torch.float32):
     assert len(g) == len(ref_g)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+def cuda_test(fn):
+    """A test that needs a CUDA GPU: skipped without one; ``pytest -m cuda`` selects them. The
+    Triton kernels run on CUDA by default only once these pass on a GPU (fxmem_kernels/_common.py:
+    until then ``impl="auto"`` is the portable implementation, ``FXMEM_KERNELS_TRITON=1`` opts in)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(fn))
+
+
+def assert_triton_matches_portable(fused, reference, inputs, dtype=torch.float32):
+    """``fused(*inputs, impl=...)`` with ``impl="triton"`` and ``impl="torch"`` each agree with
+    ``reference`` and with each other, on outputs and gradients."""
+    triton, portable = functools.partial(fused, impl="triton"), functools.partial(fused, impl="torch")
+    assert_same(triton, reference, inputs, dtype)
+    assert_same(portable, reference, inputs, dtype)
+    assert_same(triton, portable, inputs, dtype)
