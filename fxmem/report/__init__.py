@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..compilation import compilations
-from .deep import LayerScaledReport, explain_layers
+from .deep import LayerScaledReport
 from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
 from .publish import graph_peak, publish
 
@@ -78,3 +78,23 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
     comps = compilations(compiled)  # a second model of a compiled class may find every cached graph:
     ran = [c for c in comps if c.called_ns >= started]  # keep those this step ran
     return _report(ran or comps, compiled)
+
+
+def explain_layers(build: Callable[[int], Any], layers: int, options: Mapping[str, Any] | None = None,
+                   probes: tuple[int, int] = (2, 3), **batch: Any) -> LayerScaledReport:
+    """``fxmem.explain`` of ``build(layers)`` without tracing ``layers`` layers: ``build(k)``
+    must return the model with ``k`` identical layers (on the meta device to plan what cannot
+    be allocated here); each probe depth is compiled (``dynamic=True``) and stepped once."""
+    a, b = probes
+    if not (isinstance(a, int) and isinstance(b, int) and 1 <= a < b):
+        raise ValueError(f"explain_layers: probes must be two depths 1 <= a < b, got {probes!r}")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"explain_layers: layers must be a positive int, got {layers!r}")
+    reports = []
+    for k in (a, b):
+        rep = explain(build(k), options, **batch)
+        if len(rep.graphs) != 1:
+            raise ValueError(f"explain_layers: the model of {k} layers compiled into {len(rep.graphs)} graphs; "
+                             "extrapolation needs the whole step in one graph (see the graph-break warning)")
+        reports.append((k, rep))
+    return LayerScaledReport(layers, (reports[0], reports[1]))

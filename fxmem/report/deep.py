@@ -5,13 +5,14 @@ parameters, their gradients and what the plan keeps at its boundary, while the w
 one layer's backward and of the loss stays the same. ``explain_layers`` builds the model at two
 small depths (``probes``), explains each, and answers for ``layers`` by the line through them:
 tracing cost grows with the probes, not with the model (a Llama-7B config on the meta device is
-planned from 2 and 3 layers). tests/test_realistic.py checks the line against a real compile.
+planned from 2 and 3 layers; ``fxmem.explain_layers`` builds it). tests/test_realistic.py checks
+the line against a real compile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from ..options import parse_bytes
 from .model import MemoryReport, batch_peak, largest_batch
@@ -59,25 +60,3 @@ class LayerScaledReport:
 def _through(a: int, fa: int, b: int, fb: int, x: int) -> int:
     """The line through (a, fa) and (b, fb), at x (exact integers)."""
     return fa + ((fb - fa) * (x - a)) // (b - a)
-
-
-def explain_layers(build: Callable[[int], Any], layers: int, options: Mapping[str, Any] | None = None,
-                   probes: tuple[int, int] = (2, 3), **batch: Any) -> LayerScaledReport:
-    """``fxmem.explain`` of ``build(layers)`` without tracing ``layers`` layers: ``build(k)``
-    must return the model with ``k`` identical layers (on the meta device to plan what cannot
-    be allocated here); each probe depth is compiled (``dynamic=True``) and stepped once."""
-    from . import explain
-
-    a, b = probes
-    if not (isinstance(a, int) and isinstance(b, int) and 1 <= a < b):
-        raise ValueError(f"explain_layers: probes must be two depths 1 <= a < b, got {probes!r}")
-    if not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"explain_layers: layers must be a positive int, got {layers!r}")
-    reports = []
-    for k in (a, b):
-        rep = explain(build(k), options, **batch)
-        if len(rep.graphs) != 1:
-            raise ValueError(f"explain_layers: the model of {k} layers compiled into {len(rep.graphs)} graphs; "
-                             "extrapolation needs the whole step in one graph (see the graph-break warning)")
-        reports.append((k, rep))
-    return LayerScaledReport(layers, (reports[0], reports[1]))
