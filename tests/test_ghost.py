@@ -212,3 +212,19 @@ def test_nonfinite_chunk_falls_back_to_materialized(caplog):
     assert all(torch.isfinite(v).all() for v in g_on.values())
     assert_close(g_on, off, rtol=1e-6)
     assert "rerunning it with materialized per-example gradients" in caplog.text
+
+
+def test_all_finite_catches_every_non_finite_output():
+    from fxmem.per_example.ghost import _all_finite
+
+    ok = [torch.ones(5), torch.zeros(3, dtype=torch.bfloat16), torch.arange(4)]  # ints are skipped
+    assert _all_finite(ok) and _all_finite([]) and _all_finite([torch.arange(3)])
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        x = torch.ones(6)
+        x[2] = bad
+        assert not _all_finite([torch.ones(2), x])
+    both = torch.ones(4)
+    both[0], both[1] = float("inf"), -float("inf")  # cancels to nan, still caught
+    assert not _all_finite([both])
+    # half precision: summed in float32, so a large finite tensor does not overflow into a fallback
+    assert _all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])
