@@ -227,3 +227,19 @@ def test_chunk_graphs_fuse_the_loss_only_when_it_is_asked_for():
     assert _chunk_lowering(resolve({"lowering": False}, env={})) is False
     assert dict(_chunk_lowering(resolve({"lowering": {lce: True}}, env={}))) == {lce: True}
     assert dict(_chunk_lowering(resolve({"ghost_clipping": False}, env={}))) == {"dropout": False}
+
+
+def test_all_finite_catches_every_non_finite_output():
+    from fxmem.per_example.ghost import _all_finite
+
+    ok = [torch.ones(5), torch.zeros(3, dtype=torch.bfloat16), torch.arange(4)]  # ints are skipped
+    assert _all_finite(ok) and _all_finite([]) and _all_finite([torch.arange(3)])
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        x = torch.ones(6)
+        x[2] = bad
+        assert not _all_finite([torch.ones(2), x])
+    both = torch.ones(4)
+    both[0], both[1] = float("inf"), -float("inf")  # cancels to nan, still caught
+    assert not _all_finite([both])
+    # half precision: summed in float32, so a large finite tensor does not overflow into a fallback
+    assert _all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])

@@ -1,0 +1,326 @@
+"""End-to-end private training: Opacus, opake, fxmem and the non-private step on the same run.
+
+    python bench/e2e_dpsgd.py                  # GPT 2 layers, hidden 128, Poisson batches of mean 32, 20 steps
+    python bench/e2e_dpsgd.py --quick          # tiny shapes, 8 steps: writes dpsgd-e2e-quick.*
+    python bench/e2e_dpsgd.py --inner eager    # fxmem's eager inner compiler (no Inductor compiles)
+
+Model: the plain-PyTorch GPT of bench/dpsgd_models.py (2 layers, hidden 128, 4 heads, vocab 4096,
+sequence 64, no weight tying). Not an HF model: every parametrized layer here (nn.Linear,
+nn.Embedding, nn.LayerNorm) has a native Opacus grad sampler, whereas HF GPT-2's ``Conv1D`` and
+HF Llama's ``LlamaRMSNorm`` have none (Opacus would fall back to functorch for them, which is not
+what its hooks mode or ghost clipping measure); it is also the model of bench/dpsgd.py,
+ghost.py and poisson.py, so the figures compare.
+
+Data: ``--dataset`` random token sequences (labels = inputs, next-token loss). Every variant
+starts from the same weights (its own copy), trains with Adam (lr 1e-3) for ``--steps`` steps
+and sees the *same* Poisson batches: expected size 32 (sample rate 32 / dataset), each step's
+mask drawn by ``torch.rand(N, generator) < q`` from one seed, which is what both fxmem's
+``PoissonSampler`` and Opacus's ``UniformWithReplacementSampler`` do (Opacus's generator is set to
+the seeded one after ``make_private``). Private variants: C = 1, noise multiplier 1.0, RDP
+accountant, delta 1e-5; physical batch cap ``--microbatch`` (8) for all of them:
+
+- non-private: ``loss.backward()`` on the whole batch, ``Adam.step()`` (eager);
+- opacus hooks: ``PrivacyEngine(accountant="rdp").make_private(..., poisson_sampling=True)``,
+  ``BatchMemoryManager(max_physical_batch_size=8)``; one step = every physical batch of one
+  logical batch, up to the optimizer step that is not skipped;
+- opacus ghost: the same with ``grad_sample_mode="ghost"`` and the ``DPLossFastGradientClipping``
+  criterion ``make_private`` returns (two backward passes per physical batch);
+- opake: ``opake.dpsgd.clipping.clipped_grad(..., microbatch_size=8)`` for the clipped sum, then
+  the same noise, division by the expected batch size, Adam step and accountant as fxmem's;
+- fxmem: ``fxmem.dpsgd.DPSGD(..., microbatch_size=8).step`` (fixed chunks of 8, the last padded:
+  one compile for every batch size; ghost clipping on).
+
+Per variant: median step time over the steps after ``--warmup`` (compiles happen there), the
+variants interleaved step by step; peak = exact peak of one step above what was live before it
+(fxmem.profiling.step_perf, allocator events), the maximum over the last ``--peak-steps`` steps
+(profiled separately, not timed); compiles = Dynamo graphs compiled during the variant's steps
+(``counters["stats"]["unique_graphs"]``) plus fxmem's chunk-graph compiles; epsilon after the run.
+Writes <out-dir>/<name>.json and .md (bench/common.py's writer).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from dpsgd_models import GPT  # noqa: E402
+from ghost import _OpacusGPT  # noqa: E402
+
+import fxmem.backend  # noqa: E402
+from fxmem.dpsgd import DPSGD, PoissonSampler, PrivacyAccountant, add_noise, make_functional  # noqa: E402
+from fxmem.profiling import step_perf  # noqa: E402
+
+MIB = 2**20
+FULL = dict(vocab=4096, d=128, layers=2, heads=4, seq=64, batch=32, dataset=1024, steps=20, warmup=3,
+            peak_steps=3, microbatch=8)
+QUICK = dict(vocab=256, d=32, layers=1, heads=2, seq=16, batch=8, dataset=128, steps=8, warmup=2,
+             peak_steps=2, microbatch=4)
+C, SIGMA, DELTA, LR, SEED = 1.0, 1.0, 1e-5, 1e-3, 0
+# Opacus's hooks warn on every backward that no input requires grad (token ids): expected here.
+warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+
+def _lm_loss(logits: torch.Tensor, ids: torch.Tensor, criterion=None) -> torch.Tensor:
+    b, t, v = logits.shape
+    args = (logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
+    if criterion is None:
+        return nn.functional.cross_entropy(*args)
+    return criterion(*args, shape=(b, t - 1))  # Opacus's ghost criterion: per-example mean over tokens
+
+
+class NonPrivate:
+    def __init__(self, model: GPT, data: torch.Tensor, batches: list[list[int]]):
+        self.model, self.data, self.batches = model, data, batches
+        self.opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def step(self, s: int) -> float:
+        ids = self.data[self.batches[s]]
+        loss = self.model(ids, ids)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+
+class Opacus:
+    """make_private with Poisson sampling, BatchMemoryManager; ``ghost``: ghost clipping."""
+
+    def __init__(self, model: GPT, data: torch.Tensor, batch: int, cap: int, ghost: bool):
+        from opacus import PrivacyEngine
+        from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+        self.engine = PrivacyEngine(accountant="rdp")
+        module = _OpacusGPT(model)
+        loader = DataLoader(TensorDataset(data), batch_size=batch)
+        common_kw = dict(module=module, optimizer=torch.optim.Adam(module.parameters(), lr=LR), data_loader=loader,
+                         noise_multiplier=SIGMA, max_grad_norm=C, poisson_sampling=True)
+        if ghost:
+            self.module, self.opt, self.criterion, loader = self.engine.make_private(
+                **common_kw, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost")
+        else:
+            self.module, self.opt, loader = self.engine.make_private(**common_kw, grad_sample_mode="hooks")
+            self.criterion = None
+        loader.batch_sampler.generator = torch.Generator().manual_seed(SEED)  # the same batches as the others
+        self.bmm = BatchMemoryManager(data_loader=loader, max_physical_batch_size=cap, optimizer=self.opt)
+        self.it = iter(self.bmm.__enter__())
+        self.sizes: list[int] = []
+
+    def step(self, s: int) -> float:
+        losses, n = [], 0
+        while True:
+            (ids,) = next(self.it)
+            n += ids.shape[0]
+            loss = _lm_loss(self.module(ids), ids, self.criterion)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if not self.opt._is_last_step_skipped:  # the logical batch's last physical batch
+                break
+        self.sizes.append(n)
+        return statistics.fmean(losses)
+
+    def epsilon(self) -> float:
+        return self.engine.get_epsilon(DELTA)
+
+
+def _one_example_loss(fn):
+    """``loss(trainable, frozen, ids [t], labels [t])`` for ONE example (make_functional's ``fn``)."""
+    return lambda tr, fr, ids, labels: fn(tr, fr, ids[None], labels[None])
+
+
+class Opake:
+    """opake's clipped sum, then noise / expected batch / Adam / accountant, as fxmem's DPSGD does."""
+
+    def __init__(self, model: GPT, data: torch.Tensor, batches: list[list[int]], batch: int, cap: int):
+        from opake.dpsgd.clipping import clipped_grad as opake_clipped_grad
+
+        self.data, self.batches, self.batch = data, batches, batch
+        fn, self.trainable, self.frozen = make_functional(model)
+        self.tensors = list(self.trainable.values())
+        self.opt = torch.optim.Adam(self.tensors, lr=LR)
+        self.fn, self.state = opake_clipped_grad(_one_example_loss(fn), clipping_norm=C, batch_argnums=(2, 3),
+                                                 microbatch_size=cap)
+        self.accountant = PrivacyAccountant("rdp")
+        self.generator = torch.Generator().manual_seed(SEED + 1)
+
+    def step(self, s: int) -> float:
+        ids = self.data[self.batches[s]]
+        out, _ = self.fn(self.trainable, self.frozen, ids, ids, state=self.state)
+        noisy = add_noise(dict(out.pytree), SIGMA, C, self.generator)
+        for t, k in zip(self.tensors, self.trainable):
+            t.grad = noisy[k].div_(self.batch)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.accountant.step(SIGMA, self.batch / self.data.shape[0])
+        return float("nan")
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon(DELTA)
+
+
+class Fxmem:
+    def __init__(self, model: GPT, data: torch.Tensor, batches: list[list[int]], batch: int, m: int, inner: str):
+        self.data, self.batches = data, batches
+        fn, trainable, frozen = make_functional(model)
+        self.dp = DPSGD(_one_example_loss(fn), trainable, torch.optim.Adam(trainable.values(), lr=LR),
+                        clipping_norm=C, noise_multiplier=SIGMA, expected_batch_size=batch,
+                        dataset_size=data.shape[0], frozen_args=(frozen,), microbatch_size=m, delta=DELTA,
+                        accountant="rdp", generator=torch.Generator().manual_seed(SEED + 1),
+                        options={"inner": inner})
+
+    def step(self, s: int) -> float:
+        ids = self.data[self.batches[s]]
+        return self.dp.step(ids, ids, epsilon=False).loss
+
+    def epsilon(self) -> float:
+        return self.dp.epsilon()
+
+
+def run(args) -> tuple[list[dict], dict]:
+    s = QUICK if args.quick else FULL
+    steps = args.steps or s["steps"]
+    warmup, peak_steps = s["warmup"], s["peak_steps"]
+    m, B, N = args.microbatch or s["microbatch"], s["batch"], s["dataset"]
+    torch.manual_seed(SEED)
+    base = GPT(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
+    data = torch.randint(0, s["vocab"], (N, s["seq"]), generator=torch.Generator().manual_seed(SEED))
+    batches = list(PoissonSampler(N, B / N, steps, generator=torch.Generator().manual_seed(SEED)))
+    n_params = sum(p.numel() for p in base.parameters())
+    print(f"model: GPT {s['layers']} layers, d={s['d']}, vocab {s['vocab']}, {n_params / 1e6:.2f}M params; "
+          f"dataset {N} x seq {s['seq']}, Poisson batches of mean {B}: {[len(b) for b in batches]}; "
+          f"physical cap / microbatch {m}; fxmem inner {args.inner}", flush=True)
+
+    def fresh() -> GPT:
+        return copy.deepcopy(base)
+
+    variants = {
+        "non-private": NonPrivate(fresh(), data, batches),
+        "opacus hooks": Opacus(fresh(), data, B, m, ghost=False),
+        "opacus ghost": Opacus(fresh(), data, B, m, ghost=True),
+        "opake": Opake(fresh(), data, batches, B, m),
+        f"fxmem m={m}": Fxmem(fresh(), data, batches, B, m, args.inner),
+    }
+    chunk_compiles = {"n": 0}
+    real = fxmem.backend._compile_chunk
+
+    def counting(*a, **k):
+        chunk_compiles["n"] += 1
+        return real(*a, **k)
+
+    fxmem.backend._compile_chunk = counting
+    rows = {name: dict(variant=name, times=[], peaks=[], losses=[], compiles=0, first_step_s=None)
+            for name in variants}
+    try:
+        for step in range(steps):
+            profiled = step >= steps - peak_steps
+            for name, v in variants.items():
+                r = rows[name]
+                g0, c0 = counters["stats"]["unique_graphs"], chunk_compiles["n"]
+                with step_perf("cpu", memory=profiled) as perf:
+                    loss = v.step(step)
+                r["compiles"] += counters["stats"]["unique_graphs"] - g0 + chunk_compiles["n"] - c0
+                r["losses"].append(loss)
+                if step == 0:
+                    r["first_step_s"] = perf.result.time_s
+                if profiled:
+                    r["peaks"].append(perf.result.peak_bytes)
+                elif step >= warmup:
+                    r["times"].append(perf.result.time_s)
+            print(f"step {step + 1}/{steps} (batch {len(batches[step])}): " + "  ".join(
+                f"{n} {rows[n]['times'][-1] * 1e3:.0f} ms" if rows[n]["times"] and not profiled else
+                f"{n} {(rows[n]['peaks'] or [0])[-1] / MIB:.1f} MiB" if profiled else n for n in variants),
+                flush=True)
+    finally:
+        fxmem.backend._compile_chunk = real
+    for name, v in variants.items():
+        r = rows[name]
+        r["time_s"] = statistics.median(r["times"])
+        r["peak_bytes"] = max(r["peaks"])
+        r["epsilon"] = v.epsilon() if hasattr(v, "epsilon") else None
+        if isinstance(v, Opacus):
+            r["batch_sizes"] = v.sizes
+            r["same_batches"] = v.sizes == [len(b) for b in batches]
+    out = list(rows.values())
+    np_row, ghost = rows["non-private"], rows["opacus ghost"]
+    for r in out:
+        # paired: the median over the timed steps of this step's time / the other's on the same
+        # batch in the same round (less exposed to machine drift than a ratio of medians)
+        r["paired_time_vs_nonprivate"] = statistics.median(a / b for a, b in zip(r["times"], np_row["times"]))
+        r["paired_time_vs_opacus_ghost"] = statistics.median(a / b for a, b in zip(r["times"], ghost["times"]))
+        r["time_vs_nonprivate"] = r["time_s"] / np_row["time_s"]
+        r["peak_vs_nonprivate"] = r["peak_bytes"] / np_row["peak_bytes"]
+        r["time_vs_opacus_ghost"] = r["time_s"] / ghost["time_s"]
+        r["peak_vs_opacus_ghost"] = r["peak_bytes"] / ghost["peak_bytes"]
+    fx = rows[f"fxmem m={m}"]
+    targets = [
+        dict(target=f"fxmem m={m} step time / non-private step", value=fx["time_vs_nonprivate"], limit=1.25),
+        dict(target=f"fxmem m={m} step time / non-private step, paired per step", value=fx["paired_time_vs_nonprivate"],
+             limit=1.25),
+        dict(target=f"fxmem m={m} peak / non-private step", value=fx["peak_vs_nonprivate"], limit=1.1),
+        dict(target=f"fxmem m={m} step time / Opacus ghost (< 1)", value=fx["time_vs_opacus_ghost"], limit=1.0),
+        dict(target=f"fxmem m={m} peak / Opacus ghost (< 1)", value=fx["peak_vs_opacus_ghost"], limit=1.0),
+    ]
+    for t in targets:
+        t["met"] = bool(t["value"] <= t["limit"])
+    info = dict(shape=s, steps=steps, warmup=warmup, peak_steps=peak_steps, microbatch=m, params=n_params,
+                batch_sizes=[len(b) for b in batches], inner=args.inner, clipping_norm=C, noise_multiplier=SIGMA,
+                delta=DELTA, lr=LR, targets=targets)
+    for r in out:
+        print(f"    {r['variant']:>14}: {r['time_s'] * 1e3:7.1f} ms ({r['time_vs_nonprivate']:.2f}x non-private, "
+              f"{r['time_vs_opacus_ghost']:.2f}x opacus ghost)  peak {r['peak_bytes'] / MIB:6.1f} MiB "
+              f"({r['peak_vs_nonprivate']:.2f}x, {r['peak_vs_opacus_ghost']:.2f}x)  compiles {r['compiles']}  "
+              f"epsilon {r['epsilon'] if r['epsilon'] is None else round(r['epsilon'], 3)}", flush=True)
+    return out, info
+
+
+def _markdown(rows: list[dict], info: dict) -> str:
+    s = info["shape"]
+    sizes = info["batch_sizes"]
+    lines = [f"# End-to-end private training: {info['name']}", "",
+             f"CPU, 1 torch thread. Plain GPT, {s['layers']} layers, hidden {s['d']}, {s['heads']} heads, vocab "
+             f"{s['vocab']}, sequence {s['seq']} ({info['params'] / 1e6:.2f}M params), Adam lr {info['lr']:g}; "
+             f"dataset {s['dataset']} sequences, the same {info['steps']} Poisson batches for every variant "
+             f"(expected {s['batch']}; drawn: {min(sizes)}-{max(sizes)}, mean {statistics.fmean(sizes):.1f}); "
+             f"private: C = {info['clipping_norm']:g}, noise multiplier {info['noise_multiplier']:g}, RDP, "
+             f"delta {info['delta']:g}, physical batch cap / microbatch {info['microbatch']}; fxmem inner "
+             f"compiler {info['inner']}. Time = median of steps {info['warmup'] + 1}-"
+             f"{info['steps'] - info['peak_steps']} (variants interleaved); peak = exact peak of a step above "
+             f"what was live before it, max over the last {info['peak_steps']} steps (profiled, not timed); "
+             "compiles = Dynamo graphs + fxmem chunk graphs over the run.", "",
+             "Time ratios: of the medians, and (paired) the median of the per-step ratios on the same "
+             "batch in the same round.", "",
+             "| variant | ms / step | vs non-private (paired) | vs Opacus ghost (paired) | peak MiB | "
+             "vs non-private | vs Opacus ghost | compiles | epsilon | first step s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3f}"
+        lines.append(f"| {r['variant']} | {r['time_s'] * 1e3:.1f} | {r['time_vs_nonprivate']:.2f} "
+                     f"({r['paired_time_vs_nonprivate']:.2f}) | {r['time_vs_opacus_ghost']:.2f} "
+                     f"({r['paired_time_vs_opacus_ghost']:.2f}) | {r['peak_bytes'] / MIB:.1f} | "
+                     f"{r['peak_vs_nonprivate']:.2f} | "
+                     f"{r['peak_vs_opacus_ghost']:.2f} | {r['compiles']} | {eps} | {r['first_step_s']:.1f} |")
+    lines += common.targets_lines(info["targets"])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = common.parser(__doc__, name="dpsgd-e2e")
+    ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"), help="fxmem's inner compiler")
+    ap.add_argument("--microbatch", type=int, default=0, help="physical batch cap / microbatch (default 8; quick 4)")
+    ap.add_argument("--steps", type=int, default=0, help="training steps (default 20; quick 8)")
+    return common.run_with_targets(ap, run, _markdown, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
