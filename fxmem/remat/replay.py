@@ -98,7 +98,10 @@ def bind_states(fw: fx.GraphModule) -> int:
     """The forward's run form of each replay pair (see the module doc); returns how many states
     the forward now hands to the backward."""
     graph, saved = fw.graph, 0
-    for replay in [n for n in graph.nodes if wrapped_target(n) is not None]:
+    replays = [n for n in graph.nodes if wrapped_target(n) is not None]
+    if not replays:  # most graphs (no random op): nothing to rewrite, no recompile
+        return 0
+    for replay in replays:
         state, op, *args = replay.args
         with graph.inserting_before(replay):
             if len(state.users) > 1:  # the state is also a forward output: the backward replays
