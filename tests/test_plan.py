@@ -278,6 +278,7 @@ def test_dynamic_plan_formula_holds_at_every_shape():
         assert int(plan.saved_bytes_expr.xreplace(values)) == sum(held), (batch, seq)
 
 
+@pytest.mark.slow  # 10-15 s here
 def test_level2_packs_masks_that_are_not_replayed():
     """A boolean mask the backward reads is kept as a bitmask at level 2; a dropout mask is not
     packed (its generator is replayed instead), and level 2 never keeps more than level 1."""

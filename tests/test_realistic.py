@@ -9,6 +9,7 @@ import fxmem
 from fxmem.models import build
 
 
+@pytest.mark.slow  # 10-15 s here
 def test_predict_peak_refuses_a_size_the_compile_specialized():
     """Batch 1 is specialized by Dynamo even with dynamic=True: the plan says nothing about batch 4."""
     w = build("hf_gpt2", batch=1, seq=32, vocab=256, d=32, layers=2, heads=2)
@@ -45,6 +46,7 @@ def _llama(layers: int, device: str = "cpu"):
     return model
 
 
+@pytest.mark.slow  # plans depths 2, 3 and 6: about 90 s here
 @pytest.mark.parametrize("level", [0, 1])
 def test_explain_layers_extrapolates_to_the_plan_of_the_full_depth(level):
     """The line through the plans of 2 and 3 layers is the plan of 6 layers: peak, resident bytes
@@ -59,6 +61,7 @@ def test_explain_layers_extrapolates_to_the_plan_of_the_full_depth(level):
     assert "extrapolated from 2 and 3" in str(deep)
 
 
+@pytest.mark.slow  # about 60 s here
 def test_explain_layers_plans_a_meta_model_and_checks_its_arguments():
     ids = torch.zeros(2, 4096, dtype=torch.long, device="meta")
     deep = fxmem.explain_layers(lambda k: _llama(k, "meta"), 48, {"inner": "eager", "level": 1},

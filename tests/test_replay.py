@@ -63,6 +63,7 @@ def test_level1_recomputes_dropout_from_its_generator_state():
     assert generator_state not in fw_targets
 
 
+@pytest.mark.slow  # 10-15 s here
 def test_replay_lowers_the_saved_bytes_of_dropout_models():
     """Before replay, dropout outputs were kept at every level; now level 1 keeps a third or less."""
     w = build("hf_gpt2", **GPT2)
