@@ -74,7 +74,7 @@ class Rule:
 class Options:
     level: int = 0  # 0: cheap ops + user rules; 1: layerwise recompute; 2: 1 + compromised plans
     config: tuple[Rule, ...] = ()
-    memory_budget: int | float | None = None  # bytes (int) or fraction (float in (0, 1])
+    memory_budget: int | float | None = None  # bytes (int) or fraction (float in [0, 1])
     inner: str = "inductor"
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
@@ -167,8 +167,8 @@ def parse_budget(value: Any, key: str = "memory_budget") -> int | float | None:
     if value is None:
         return None
     if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise _err(key, value, "a fraction in (0, 1] of level 0's saved bytes, or bytes (int or '512MB')")
+        if not 0.0 <= value <= 1.0:
+            raise _err(key, value, "a fraction in [0, 1] of level 0's saved bytes, or bytes (int or '512MB')")
         return value
     return parse_bytes(value, key)
 

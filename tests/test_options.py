@@ -60,7 +60,7 @@ def test_options_are_frozen():
     ({"memory_budget": -5}, r"option 'memory_budget': got -5; allowed: a non-negative number of bytes"),
     ({"memory_budget": "-1GB"}, r"option 'memory_budget': got '-1GB'; allowed: a non-negative number of bytes"),
     ({"memory_budget": "12 parsecs"}, r"option 'memory_budget': got '12 parsecs'"),
-    ({"memory_budget": 1.5}, r"option 'memory_budget': got 1.5; allowed: a fraction in \(0, 1\]"),
+    ({"memory_budget": 1.5}, r"option 'memory_budget': got 1.5; allowed: a fraction in \[0, 1\]"),
     ({"inner": "tvm"}, r"option 'inner': got 'tvm'; allowed: 'inductor' or 'eager'"),
     ({"microbatch_size": 0}, r"option 'microbatch_size': got 0; allowed: None, a positive int, or 'auto'"),
     ({"lowering": {"bias_gleu": True}}, r"option 'lowering.bias_gleu': got True; allowed: pattern names"),

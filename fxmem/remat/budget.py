@@ -25,6 +25,7 @@ walk, adds those. Only candidates that no other beats on both bytes and recomput
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch.fx as fx
@@ -176,15 +177,23 @@ def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Nod
 
 def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
-                  notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
-    """(saved set, recompute weight, recomputable set) for ``options.memory_budget``.
+                  notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
+    """(saved set, recompute weight, recomputable set) for ``options.memory_budget``; never refused.
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
     vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
-    at the peak). Always kept: layer boundaries (``keep``; recomputing across them reruns earlier
-    layers while later ones are alive) and what the backward reads before its simulated peak.
+    at the peak). Layer boundaries are not kept by force (that is level 1's heuristic): the
+    simulated peak judges every plan. Always kept: ``keep`` (user annotations) and what the
+    backward reads before its simulated peak. ``layerwise``: checkpointing plans (level 1's, every
+    k-th boundary) added to the candidates as they are.
+
+    The choice, for caps from the highest to the lowest candidate's bytes: the least recompute
+    within the cap among the candidates whose simulated peak is at most that of the plan chosen
+    for the cap above (the level's own plan first), so a lower cap never means a higher peak. A
+    cap that no such plan meets gets the plan of least simulated peak (then least bytes) with
+    one warning, or :class:`BudgetError` under ``strict``; fraction 0 asks for that plan.
     """
-    recomp = recomputable - keep - read_before_backward_peak(joint, saved0, sizes)
+    recomp = recomputable - keep
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
     budget = options.memory_budget
@@ -198,27 +207,45 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
                    for c in _greedy(joint, [c for c, _ in cuts], p, pos)]
     candidates = _pareto(joint, p, candidates)
-    admissible, lowest = [], None
-    for saved, lam, nbytes, cost in candidates:
-        peak, _ = simulated(joint, saved, sizes, options)
-        if lowest is None or peak < lowest:
-            admissible.append((saved, lam, nbytes, peak, cost))
-            lowest = peak
-    fits = [c for c in admissible if c[2] <= cap]
-    if not fits:
-        smallest, fewest = admissible[-1][2], candidates[-1][2]
-        why = "" if fewest == smallest else (
-            f"; plans that save as little as {fewest} bytes exist, but their simulated peak is not lower")
-        raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
-                          f"the smallest feasible budget is {smallest} bytes "
-                          f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
-    # The least recompute within the cap (ties: the most saved bytes, then the first). A lower cap
-    # picks among a subset: the same plan, or one with fewer bytes and a lower simulated peak.
-    saved, lam, nbytes, peak, cost = min(fits, key=lambda c: (c[4], -c[2]))
+    known = {tuple(c[0]) for c in candidates}
+    candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(joint, p, c)) for c in layerwise if tuple(c) not in known]
+    scored = [(saved, lam, nbytes, simulated(joint, saved, sizes, options)[0], cost)
+              for saved, lam, nbytes, cost in candidates]
+    chosen, least = _choose(scored, cap), min(c[2] for c in scored)
+    lowest = min(scored, key=lambda c: (c[3], c[2], c[4]))
+    how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
+           "on bytes and recompute, and layerwise checkpoints)")
+    if isinstance(budget, float) and budget == 0.0:
+        chosen = lowest
+    elif chosen is None:
+        chosen = lowest
+        msg = (f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; the smallest "
+               f"feasible budget is {least} bytes ({least / max(level_bytes, 1):.3f} of level {options.level}'s "
+               f"{level_bytes}) among {how}")
+        if options.strict:
+            raise BudgetError(msg)
+        msg += (f"; using the plan of least simulated peak instead: {chosen[2]} bytes saved, simulated peak "
+                f"{chosen[3]} bytes (strict=True raises)")
+        warnings.warn(msg, UserWarning, stacklevel=2)
+        notes.append(msg)
+    saved, lam, nbytes, peak, cost = chosen
     notes.append(f"memory budget {cap} bytes: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
-                 f"{len(admissible)} of {len(candidates)} candidate plans "
-                 "(frontier cuts, steps between them and greedy mixes, "
-                 "those no other beats on bytes and recompute) admissible: "
-                 "the level's own, then each below every simulated peak before it")
-    return saved, lam, recomp
+                 f"chosen among {how}")
+    return saved, lam, recomp | recomputed(joint, saved)
+
+
+def _choose(scored: list[tuple], cap: int) -> tuple | None:
+    """The plan for ``cap``, or None when every candidate saves more. Walks the candidates' bytes
+    from the most down to the cap: at each, among the plans within those bytes, the least
+    recompute (then the most bytes) of those whose simulated peak is at most the previous choice's
+    (the level's own plan's at first); where there is none, the cap is met at the least peak."""
+    ceiling = scored[0][3]
+    for b in sorted({c[2] for c in scored}, reverse=True):
+        fits = [c for c in scored if c[2] <= b]
+        lower = [c for c in fits if c[3] <= ceiling]
+        choice = min(lower, key=lambda c: (c[4], -c[2])) if lower else min(fits, key=lambda c: (c[3], c[4]))
+        ceiling = choice[3]
+        if b <= cap:
+            return choice
+    return None
