@@ -159,6 +159,22 @@ def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
     return list(plans.values())
 
 
+def _trimmed(joint: JointGraph, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """``saved`` less its j smallest kept values (j = 1 .. ``STEPS``), and less one value of each
+    size (the last in the graph), where what that recomputes may be recomputed."""
+    allowed = p.recomputable | recomputed(joint, saved)
+    kept = sorted((n for n in saved if n.op != "placeholder" and p.nbytes.get(n, 0) > 0),
+                  key=lambda n: (p.nbytes[n], -pos[n]))
+    drops = [set(kept[:j]) for j in range(1, min(STEPS, len(kept)) + 1)]
+    drops += [{n} for n in {p.nbytes[n]: n for n in reversed(kept)}.values()]
+    plans = []
+    for drop in drops:
+        plan = [n for n in saved if n not in drop]
+        if recomputed(joint, plan) <= allowed:
+            plans.append(plan)
+    return plans
+
+
 def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
             ) -> list[tuple[list[fx.Node], float, int, float]]:
     """(saved, weight, bytes, recompute cost) of the candidates that no other beats on both bytes
@@ -211,8 +227,15 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(joint, p, c)) for c in layerwise if tuple(c) not in known]
     scored = [(saved, lam, nbytes, simulated(joint, saved, sizes, options)[0], cost)
               for saved, lam, nbytes, cost in candidates]
-    chosen, least = _choose(scored, cap), min(c[2] for c in scored)
     lowest = min(scored, key=lambda c: (c[3], c[2], c[4]))
+    # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
+    # plan less a few small values gives caps just below it a plan that peaks about as low.
+    known = {tuple(c[0]) for c in scored}
+    for c in _trimmed(joint, lowest[0], p, pos):
+        if tuple(c) not in known:
+            known.add(tuple(c))
+            scored.append((c, lowest[1], saved_bytes(p, c), simulated(joint, c, sizes, options)[0], _cost(joint, p, c)))
+    chosen, least = _choose(scored, cap), min(c[2] for c in scored)
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")
     if isinstance(budget, float) and budget == 0.0:

@@ -1,0 +1,166 @@
+"""memory_budget: never refused, monotone, and PyTorch's own memory-budget cases (adapted from
+test/functorch/test_ac.py: a chain of matmuls, and matmuls of unequal cost)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.models import build
+from fxmem.profiling import step_perf
+
+U = 128  # test_ac.py's unit is 512 (1 MiB fp32 squares); 128 keeps the matmuls fast: 64 KiB squares
+UNIT = U * U * 4
+
+
+def _compile(f, budget, **options):
+    torch._dynamo.reset()
+    return torch.compile(f, backend="fxmem", options={"inner": "eager", "memory_budget": budget, **options})
+
+
+def _graph(fn):
+    (graph,) = [g for c in fxmem.compilations(fn) for g in c.graphs]
+    return graph
+
+
+def _recomputed_mm(graph) -> list[tuple[int, ...]]:
+    """Shapes of the matmuls the backward runs again."""
+    return sorted(tuple(n.meta["val"].shape) for n in graph.split.recomputed if n.target == torch.ops.aten.mm.default)
+
+
+def _check_grads(f, fn, inputs):
+    ref = [t.detach().clone().requires_grad_() for t in inputs]
+    f(*ref).backward()
+    for t in inputs:
+        t.grad = None
+    fn(*inputs).backward()
+    for a, b in zip(inputs, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def _chain(x, *ws):
+    x = x.cos()
+    for w in ws:
+        x = torch.mm(x, w).cos()
+    return x.sum()
+
+
+@pytest.mark.slow
+def test_matmul_chain_saves_at_most_the_budget_recomputing_one_matmul_per_unit_below():
+    """test_ac.py's test_matmul_even_chain: ``x.cos()`` then five ``mm(., w).cos()``. Recomputing
+    the cosines is free, so 5 units is the most worth saving; each unit less recomputes one more
+    matmul, down to none saved at budget 0 (every matmul again in the backward)."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(U, U, requires_grad=True) for _ in range(6)]
+    for k in range(6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every budget here is met: no warning
+            fn = _compile(_chain, k * UNIT)
+            _check_grads(_chain, fn, inputs)
+        graph = _graph(fn)
+        assert graph.plan.saved_bytes == k * UNIT
+        assert _recomputed_mm(graph) == [(U, U)] * (5 - k)
+
+
+def _pairs(f, shapes):
+    """test_ac.py's create_pair: x [a, a] and w [a, b] (units of U) make an [a, b] product that
+    costs a * a * b unit matmuls."""
+    torch.manual_seed(0)
+    return [t for a, b in shapes for t in (torch.randn(a * U, a * U, requires_grad=True),
+                                           torch.randn(a * U, b * U, requires_grad=True))]
+
+
+def _products(*xws):
+    return sum(torch.mm(x, w).cos().sum() for x, w in zip(xws[::2], xws[1::2]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shapes, units, saved, recomputed", [
+    # test_prioritize_cheaper_matmul: two 4-unit products, 4 and 8 unit matmuls; half the budget
+    # keeps the dearer one and recomputes x1 @ w1.
+    ([(1, 4), (2, 2)], 4, 4, [(1, 4)]),
+    # test_prioritize_cheaper_matmul2: products of 16, 12, 12 units costing 64, 72, 24. 28 units
+    # recompute the cheapest (2 x 6); 16 units keep only the dearest per unit (6 x 2), not the
+    # 16-unit one that would fill the budget exactly.
+    ([(4, 4), (6, 2), (2, 6)], 28, 28, [(2, 6)]),
+    ([(4, 4), (6, 2), (2, 6)], 16, 12, [(2, 6), (4, 4)]),
+], ids=["two", "three-28", "three-16"])
+def test_the_cheapest_matmul_is_recomputed_first(shapes, units, saved, recomputed):
+    inputs = _pairs(_products, shapes)
+    fn = _compile(_products, units * UNIT)
+    _check_grads(_products, fn, inputs)
+    graph = _graph(fn)
+    assert graph.plan.saved_bytes == saved * UNIT
+    assert _recomputed_mm(graph) == sorted((a * U, b * U) for a, b in recomputed)
+
+
+def test_cap_below_every_plan_warns_once_and_takes_the_least_peak():
+    """1 byte cannot be met: fxmem plans as for fraction 0 (the least simulated peak) with one
+    warning that names the cap and what was reached; ``strict=True`` raises instead."""
+    w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64)
+    model = copy.deepcopy(w.model)
+    with pytest.warns(UserWarning) as record:
+        fn = _compile(model, 1)
+        w.loss(fn(**w.batch)).backward()
+    msgs = [str(r.message) for r in record if "memory_budget" in str(r.message)]
+    assert len(msgs) == 1, msgs
+    plan = _graph(fn).plan
+    assert msgs[0].startswith("option 'memory_budget': 1 (1 bytes of saved activations) is infeasible; the smallest "
+                              "feasible budget is ")
+    assert f"; using the plan of least simulated peak instead: {plan.saved_bytes} bytes saved, simulated peak " in msgs[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fraction 0 asks for that plan: no warning
+        fn0 = _compile(copy.deepcopy(w.model), 0.0)
+        w.loss(fn0(**w.batch)).backward()
+    assert [n.name for n in _graph(fn0).plan.saved] == [n.name for n in plan.saved]
+    strict = _compile(copy.deepcopy(w.model), 1, strict=True)
+    with pytest.raises(fxmem.BudgetError, match=r"option 'memory_budget': 1 \(1 bytes of saved activations\) is "
+                                                r"infeasible; the smallest feasible budget is \d+ bytes \(0\.\d+ of "
+                                                r"level 0's \d+\)"):
+        strict(**w.batch)
+
+
+NARROW = dict(batch=4, seq=64, layers=3, vocab=256, d=32, heads=2)
+FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1, 0.0)
+
+
+def _measured(w, options):
+    """(loss, grads, measured peak of the second step) of the compiled model; dropout draws the
+    same masks as eager from the same seed."""
+    model = copy.deepcopy(w.model)
+    fn = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    for _ in range(2):  # the second step is measured: no compile, same allocations
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with step_perf("cpu") as perf:
+            loss = w.loss(fn(**w.batch))
+            loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, perf.result.peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kwargs", [
+    ("hf_gpt2", dict(NARROW, dropout=0.1)),
+    ("hf_llama", NARROW),
+    ("mlp_chain", dict(batch=16, width=64, depth=4)),
+])
+def test_measured_peak_falls_with_the_fraction_down_to_level1s(name, kwargs):
+    w = build(name, **kwargs)
+    torch.manual_seed(1)
+    model = copy.deepcopy(w.model)
+    ref_loss = w.loss(model(**w.batch))
+    ref_loss.backward()
+    torch._dynamo.reset()
+    *_, level1 = _measured(w, {"level": 1})
+    last = None
+    for frac in FRACTIONS:
+        torch._dynamo.reset()
+        loss, grads, peak = _measured(w, {"memory_budget": frac})
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=f"{frac}: {n}")
+        assert last is None or peak <= last[1], f"fraction {frac} peaked at {peak} bytes, above {last[0]}'s {last[1]}"
+        last = (frac, peak)
+    assert last[1] <= level1, f"fraction 0 peaked at {last[1]} bytes, above level 1's {level1}"
