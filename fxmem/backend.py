@@ -11,6 +11,7 @@ A per-example region's chunk graphs take the same path from pattern lowering on
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -111,7 +112,9 @@ def _planned_peak(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) 
     alone reports a failure, once)."""
     partitioner = Partitioner(replace(opts, inner="eager", strict=True))
     try:
-        inner.compile_joint(gm, example_inputs, "eager", partitioner)
+        with warnings.catch_warnings():  # the real compile warns, once (e.g. a budget it cannot meet)
+            warnings.simplefilter("ignore")
+            inner.compile_joint(gm, example_inputs, "eager", partitioner)
     except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
         log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
         return None

@@ -98,7 +98,7 @@ def test_the_cheapest_matmul_is_recomputed_first(shapes, units, saved, recompute
 
 def test_cap_below_every_plan_warns_once_and_takes_the_least_peak():
     """1 byte cannot be met: fxmem plans as for fraction 0 (the least simulated peak) with one
-    warning that names the cap and what was reached; ``strict=True`` raises instead."""
+    warning that names the cap and what was reached (``strict=True`` raises instead: test_plan.py)."""
     w = build("tiny_gpt", batch=2, seq=16, layers=2, d=32, heads=2, vocab=64)
     model = copy.deepcopy(w.model)
     with pytest.warns(UserWarning) as record:
@@ -109,17 +109,12 @@ def test_cap_below_every_plan_warns_once_and_takes_the_least_peak():
     plan = _graph(fn).plan
     assert msgs[0].startswith("option 'memory_budget': 1 (1 bytes of saved activations) is infeasible; the smallest "
                               "feasible budget is ")
-    assert f"; using the plan of least simulated peak instead: {plan.saved_bytes} bytes saved, simulated peak " in msgs[0]
+    assert f"; using the plan of least simulated peak instead: {plan.saved_bytes} bytes saved, " in msgs[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # fraction 0 asks for that plan: no warning
         fn0 = _compile(copy.deepcopy(w.model), 0.0)
         w.loss(fn0(**w.batch)).backward()
     assert [n.name for n in _graph(fn0).plan.saved] == [n.name for n in plan.saved]
-    strict = _compile(copy.deepcopy(w.model), 1, strict=True)
-    with pytest.raises(fxmem.BudgetError, match=r"option 'memory_budget': 1 \(1 bytes of saved activations\) is "
-                                                r"infeasible; the smallest feasible budget is \d+ bytes \(0\.\d+ of "
-                                                r"level 0's \d+\)"):
-        strict(**w.batch)
 
 
 NARROW = dict(batch=4, seq=64, layers=3, vocab=256, d=32, heads=2)

@@ -1,15 +1,15 @@
-"""The memory budget: the least recompute whose saved bytes fit a cap, with a peak that never
-rises as the cap falls.
+"""The memory budget: the least recompute whose saved bytes fit a cap, never refused.
 
-Candidates are the level's own plan and every cut on the min-cut frontier (each the cheapest cut
-for some recompute weight) with fewer saved bytes. Fewer saved bytes can still mean a higher
-step peak: a recomputed value is alive again in the backward, perhaps at its peak. So each
-candidate's peak is simulated, and only candidates strictly below the peak of every candidate
-with more saved bytes are admissible (one whose simulated peak is merely equal recomputes more
-for nothing, and the simulation can be a few hundred bytes off either way). A cap then picks the
-admissible candidate of least recompute cost within it. The candidate list and the rule do not
-depend on the cap, so a lower cap picks either the same plan or one with fewer saved bytes,
-which admissibility puts below the higher cap's peak.
+Candidates are the level's own plan, every cut on the min-cut frontier (each the cheapest cut
+for some recompute weight) with fewer saved bytes, and layerwise checkpoints (level 1's plan and
+every k-th layer boundary kept). Layer boundaries are not kept by force: fewer saved bytes can
+still mean a higher step peak (a recomputed value is alive again in the backward, perhaps at its
+peak), so each candidate's peak is simulated and the choice (:func:`_choose`) walks the caps
+from the most bytes down, taking at each the least recompute among the plans at most as high as
+the choice above; only where no plan within a cap peaks that low does the cap win over the peak.
+The candidate list and the rule do not depend on the cap. A cap below every candidate gets the
+plan of least simulated peak with a warning (``strict``: :class:`BudgetError`); fraction 0 asks
+for that plan.
 
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
@@ -31,7 +31,7 @@ from typing import Callable
 import torch.fx as fx
 
 from ..graph.joint import JointGraph
-from ..graph.liveness import simulate, step_peak
+from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import OptionError, Options
@@ -59,22 +59,6 @@ def simulated(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, opt
 def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
     """The simulated step peak of a saved set, as the inner compiler will run its split."""
     return simulated(joint, saved, sizes, options)[0]
-
-
-def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
-    """Saved values that the backward reads before its (simulated) peak.
-
-    Recomputing one of them would only move it from the forward to just before the peak, where
-    it is alive either way (e.g. the log-softmax a cross-entropy backward starts from).
-    """
-    s = split(joint, saved)
-    nodes = list(s.bw.graph.nodes)
-    at = simulate(s.bw, sizes).peak_at
-    cutoff = next(i for i, n in enumerate(nodes) if n.name == at)
-    pos = {n: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in s.saved}
-    return {by_name[ph.name] for ph in s.bw.graph.find_nodes(op="placeholder")
-            if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
 
 
 def _cost(joint: JointGraph, p: CutProblem, saved) -> float:
