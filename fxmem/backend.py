@@ -127,7 +127,7 @@ def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, 
     (``ghost_clipping``) and the recompute plan of its inner backward, the inner compiler, the
     reports. In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch
     size), so the inner planner gets the level and rules only."""
-    opts = replace(opts, memory_budget=None, lowering=_chunk_lowering(opts))
+    opts = replace(opts, memory_budget=None, peak_budget=None, lowering=_chunk_lowering(opts))
     gm, lowered = lowering.lower(gm, example_inputs, opts)
     partitioner = Partitioner(opts)
     ghost = per_example.Ghost(opts, gm)

@@ -40,6 +40,7 @@ from .split import recomputed, split
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
+SLACK = 1e-4  # simulated peaks this close count as equal (a scalar, a rounding)
 
 
 class BudgetError(OptionError):
@@ -219,40 +220,78 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         if tuple(c) not in known:
             known.add(tuple(c))
             scored.append((c, lowest[1], saved_bytes(p, c), simulated(joint, c, sizes, options)[0], _cost(joint, p, c)))
-    chosen, least = _choose(scored, cap), min(c[2] for c in scored)
+    lowest, least = min(scored, key=lambda c: (c[3], c[2], c[4])), min(c[2] for c in scored)
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")
-    if isinstance(budget, float) and budget == 0.0:
-        chosen = lowest
-    elif chosen is None:
-        chosen = lowest
-        msg = (f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; the smallest "
-               f"feasible budget is {least} bytes ({least / max(level_bytes, 1):.3f} of level {options.level}'s "
-               f"{level_bytes}) among {how}")
-        if options.strict:
-            raise BudgetError(msg)
-        msg += (f"; using the plan of least simulated peak instead: {chosen[2]} bytes saved, simulated peak "
-                f"{chosen[3]} bytes (strict=True raises)")
-        warnings.warn(msg, UserWarning, stacklevel=2)
-        notes.append(msg)
+    if options.peak_budget is not None:
+        chosen, what = _cheapest_under(scored, options.peak_budget), f"peak budget {options.peak_budget} bytes"
+        if chosen is None:
+            _unmet(options, f"option 'peak_budget': {options.peak_budget!r} bytes is below every plan's simulated "
+                            f"step peak; the least is {lowest[3]} bytes among {how}", lowest, notes)
+    else:
+        chosen, ceiling = _choose(scored, cap)
+        what = f"memory budget {cap} bytes"
+        # the fewest bytes a cap is met with: any plan (bytes), or one at the least peak (a fraction)
+        met = least if isinstance(budget, int) else min(c[2] for c in scored if c[3] <= lowest[3] * (1 + SLACK))
+        if isinstance(budget, float) and budget == 0.0:
+            chosen = lowest
+        elif chosen is None or isinstance(budget, float) and chosen[3] > ceiling * (1 + SLACK):
+            # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
+            # peak) only plans that peak higher than a higher fraction's
+            _unmet(options, f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
+                            f"the smallest feasible budget is {met} bytes ({met / max(level_bytes, 1):.3f} of "
+                            f"level {options.level}'s {level_bytes}) among {how}"
+                            + ("" if chosen is None else
+                               f"; fewer bytes than the least-peak plan's peak higher ({chosen[3]} bytes at the "
+                               f"least against {lowest[3]})"), lowest, notes)
+            chosen = None
+        elif chosen[3] > ceiling * (1 + SLACK):  # bytes: a hard cap, met at a higher peak
+            msg = (f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is met only by plans that "
+                   f"peak higher than a higher budget's: simulated peak {chosen[3]} bytes against {ceiling} (every "
+                   f"plan that saves fewer bytes recomputes more values alive at the peak); memory_budget=0.0 or "
+                   f"peak_budget asks for the least peak")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            notes.append(msg)
+    chosen = chosen or lowest
     saved, lam, nbytes, peak, cost = chosen
-    notes.append(f"memory budget {cap} bytes: saved {nbytes} bytes (level {options.level} alone: "
+    notes.append(f"{what}: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
                  f"chosen among {how}")
     return saved, lam, recomp | recomputed(joint, saved)
 
 
-def _choose(scored: list[tuple], cap: int) -> tuple | None:
-    """The plan for ``cap``, or None when every candidate saves more. Walks the candidates' bytes
-    from the most down to the cap: at each, among the plans within those bytes, the least
-    recompute (then the most bytes) of those whose simulated peak is at most the previous choice's
-    (the level's own plan's at first); where there is none, the cap is met at the least peak."""
+def _unmet(options: Options, msg: str, lowest: tuple, notes: list[str]) -> None:
+    """A cap no plan meets: :class:`BudgetError` under ``strict``, else one warning (the plan of
+    least simulated peak is used)."""
+    if options.strict:
+        raise BudgetError(msg)
+    msg += (f"; using the plan of least simulated peak instead: {lowest[2]} bytes saved, simulated peak "
+            f"{lowest[3]} bytes (strict=True raises)")
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    notes.append(msg)
+
+
+def _cheapest_under(scored: list[tuple], peak: int) -> tuple | None:
+    """The least recompute (then the lowest peak) among the plans whose simulated step peak is at
+    most ``peak``; None when none is. Lowering the cap only removes plans, and the plan chosen
+    above stays chosen while it fits: a lower cap never gives a higher simulated peak."""
+    fits = [c for c in scored if c[3] <= peak]
+    return min(fits, key=lambda c: (c[4], c[3], -c[2])) if fits else None
+
+
+def _choose(scored: list[tuple], cap: int) -> tuple[tuple | None, int]:
+    """(the plan for ``cap`` or None when every candidate saves more, the least peak of the plans
+    for higher caps). Walks the candidates' bytes from the most down to the cap: at each, among
+    the plans within those bytes, the least recompute (then the most bytes) of those whose
+    simulated peak is at most the least peak chosen so far (the level's own plan's at first,
+    ``SLACK`` allowed: a scalar more is the same peak); where there is none, the cap is met at the
+    least peak among the plans within it, which is higher: the caller warns."""
     ceiling = scored[0][3]
     for b in sorted({c[2] for c in scored}, reverse=True):
         fits = [c for c in scored if c[2] <= b]
-        lower = [c for c in fits if c[3] <= ceiling]
+        lower = [c for c in fits if c[3] <= ceiling * (1 + SLACK)]
         choice = min(lower, key=lambda c: (c[4], -c[2])) if lower else min(fits, key=lambda c: (c[3], c[4]))
-        ceiling = choice[3]
         if b <= cap:
-            return choice
-    return None
+            return choice, ceiling
+        ceiling = min(ceiling, choice[3])
+    return None, ceiling

@@ -146,7 +146,8 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         notes.append(msg)
         no_save.clear()
         saved = solve(problem(frozenset(recomputable)), lam)
-    plain0 = not (options.config or options.memory_budget is not None or must_save or must_recompute)
+    budgeted = options.memory_budget is not None or options.peak_budget is not None
+    plain0 = not (options.config or budgeted or must_save or must_recompute)
     level0 = saved if options.level == 0 and plain0 else solve(
         CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then.
@@ -154,7 +155,7 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
             joint, level0, sizes, options):
         notes.append(f"level {options.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
-    if options.memory_budget is not None:
+    if budgeted:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
         saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save, problem, notes,
                                           _layerwise(joint, key, fences, must_save, problem))
