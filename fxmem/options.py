@@ -74,7 +74,7 @@ class Rule:
 class Options:
     level: int = 0  # 0: cheap ops + user rules; 1: layerwise recompute; 2: 1 + compromised plans
     config: tuple[Rule, ...] = ()
-    memory_budget: int | float | None = None  # saved activation bytes (int) or fraction (float in [0, 1]) of the level's
+    memory_budget: int | float | None = None  # saved activation bytes (int) or a fraction (float in [0, 1])
     peak_budget: int | None = None  # bytes: the cheapest plan whose simulated step peak fits (not with memory_budget)
     inner: str = "inductor"
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
