@@ -198,3 +198,28 @@ def test_the_exact_solver_agrees_on_the_chain_and_bounds_fxmem_on_a_model():
         graph = _graph(fn)
         ours, best = _gap(graph, graph.plan.saved_bytes)
         assert best <= ours * (1 + 1e-9)
+
+
+def test_peak_budget_takes_the_cheapest_plan_that_fits_and_warns_when_none_does():
+    """peak_budget at 0.8x level 0's measured peak: measured within the cap (+3%), with more
+    recompute than level 0; at 1 byte: one warning naming the least reachable peak, that plan used
+    (strict raises). Gradients equal eager's throughout."""
+    w = build("hf_gpt2", **dict(NARROW, layers=2, dropout=0.1))
+    ref = copy.deepcopy(w.model)
+    torch.manual_seed(1)
+    w.loss(ref(**w.batch)).backward()
+    *_, level0 = _measured(w, {})
+    cap = int(0.8 * level0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # met: no warning
+        _, grads, peak = _measured(w, {"peak_budget": cap})
+    assert peak <= cap * 1.03, (peak, cap)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with pytest.warns(UserWarning, match=r"option 'peak_budget': 1 bytes is below every plan's simulated step "
+                                         r"peak; the least is \d+ bytes among \d+ candidate plans"):
+        _, grads, _ = _measured(w, {"peak_budget": 1})
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="BudgetError: option 'peak_budget': 1 bytes"):
+        _measured(w, {"peak_budget": 1, "strict": True})

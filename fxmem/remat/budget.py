@@ -1,4 +1,5 @@
-"""The memory budget: the least recompute whose saved bytes fit a cap, never refused.
+"""The memory budgets: the least recompute whose saved bytes (``memory_budget``) or simulated step
+peak (``peak_budget``) fit a cap, never refused.
 
 Candidates are the level's own plan, every cut on the min-cut frontier (each the cheapest cut
 for some recompute weight) with fewer saved bytes, and layerwise checkpoints (level 1's plan and
@@ -36,7 +37,7 @@ from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import OptionError, Options
 from .mincut import CutProblem, frontier, saved_bytes
-from .split import recomputed, split
+from .split import Walk, split
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
@@ -48,13 +49,14 @@ class BudgetError(OptionError):
 
 
 def simulated(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options,
-              cost: dict[fx.Node, float] | None = None) -> tuple[int, float]:
+              cost: dict[fx.Node, float] | None = None, names: set[str] | None = None) -> tuple[int, float]:
     """(simulated step peak, recompute cost) of a saved set, as the inner compiler will run its split."""
-    s = split(joint, saved)
+    s = split(joint, saved, lazy=True)
     if options.inner == "eager":
         reuse_dead_buffers(s.fw)
         reuse_dead_buffers(s.bw)
-    return step_peak(s.fw, s.bw, sizes, joint.input_names()), sum((cost or {}).get(n, 0.0) for n in s.recomputed)
+    peak = step_peak(s.fw, s.bw, sizes, joint.input_names() if names is None else names)
+    return peak, sum((cost or {}).get(n, 0.0) for n in s.recomputed)
 
 
 def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
@@ -62,21 +64,21 @@ def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes
     return simulated(joint, saved, sizes, options)[0]
 
 
-def _cost(joint: JointGraph, p: CutProblem, saved) -> float:
+def _cost(walk: Walk, p: CutProblem, saved) -> float:
     """Recompute cost of a saved set (what :func:`split` would recompute, priced by ``p``)."""
-    return sum(p.cost.get(n, 0.0) for n in recomputed(joint, saved))
+    return sum(p.cost.get(n, 0.0) for n in walk(saved))
 
 
-def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[set, set]]:
+def _units(walk: Walk, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[set, set]]:
     """How two neighbouring cuts differ, in independent units ``(drop, add)``: going from ``more``
     to ``fewer`` in one unit drops its values of ``more``, keeps its values of ``fewer`` instead
     and recomputes its ops. A unit is a connected group (by data edges) of the values and ops in
     which the cuts differ, e.g. one layer's gate projection with its output."""
     a, b = set(more), set(fewer)
-    members = {n for n in a ^ b if n.op != "placeholder"} | (recomputed(joint, b) ^ recomputed(joint, a))
+    members = {n for n in a ^ b if n.op != "placeholder"} | (walk(b) ^ walk(a))
     seen: set[fx.Node] = set()
     units = []
-    for start in (n for n in joint.gm.graph.nodes if n in members and n not in seen):
+    for start in (n for n in walk.joint.gm.graph.nodes if n in members and n not in seen):
         todo, group = [start], set()
         seen.add(start)
         while todo:
@@ -91,20 +93,25 @@ def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list
     return units
 
 
-def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem,
+def _greedy(walk: Walk, cuts: list[list[fx.Node]], p: CutProblem,
             pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """A greedy walk from the first cut down to the last, and every plan one unit away from it.
     Each step applies the one unit (of any neighbouring pair of cuts, :func:`_units`) that frees
     bytes at the least extra recompute cost per byte freed. This mixes the cuts layer by layer
     and projection by projection (e.g. two layers' gate projections and one query projection),
     which the cuts alone and the steps between two of them do not."""
-    units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(joint, more, fewer)]
-    allowed = p.recomputable | recomputed(joint, cuts[0])  # the level's own plan may recompute more
+    units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(walk, more, fewer)]
+    allowed = p.recomputable | walk(cuts[0])  # the level's own plan may recompute more
+
+    memo: dict[frozenset, tuple[int, float] | None] = {}
 
     def score(saved: set[fx.Node]) -> tuple[int, float] | None:
-        if not recomputed(joint, saved) <= allowed:
-            return None  # would recompute what may not be
-        return saved_bytes(p, saved), _cost(joint, p, saved)
+        key = frozenset(saved)
+        if key not in memo:
+            again = walk(saved)  # one walk of the backward per distinct plan
+            memo[key] = None if not again <= allowed else (  # None: would recompute what may not be
+                saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in again))
+        return memo[key]
 
     current, plans = set(cuts[0]), {}
     nbytes, cost = score(current)
@@ -144,10 +151,10 @@ def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
     return list(plans.values())
 
 
-def _trimmed(joint: JointGraph, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+def _trimmed(walk: Walk, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """``saved`` less its j smallest kept values (j = 1 .. ``STEPS``), and less one value of each
     size (the last in the graph), where what that recomputes may be recomputed."""
-    allowed = p.recomputable | recomputed(joint, saved)
+    allowed = p.recomputable | walk(saved)
     kept = sorted((n for n in saved if n.op != "placeholder" and p.nbytes.get(n, 0) > 0),
                   key=lambda n: (p.nbytes[n], -pos[n]))
     drops = [set(kept[:j]) for j in range(1, min(STEPS, len(kept)) + 1)]
@@ -155,18 +162,18 @@ def _trimmed(joint: JointGraph, saved: list[fx.Node], p: CutProblem, pos: dict[f
     plans = []
     for drop in drops:
         plan = [n for n in saved if n not in drop]
-        if recomputed(joint, plan) <= allowed:
+        if walk(plan) <= allowed:
             plans.append(plan)
     return plans
 
 
-def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
+def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
             ) -> list[tuple[list[fx.Node], float, int, float]]:
     """(saved, weight, bytes, recompute cost) of the candidates that no other beats on both bytes
     and cost, most bytes first; the first candidate (the level's own plan) always. Only these are
     simulated: a plan with more bytes and more cost than another is never worth its peak."""
     def scored(saved, lam):
-        return saved, lam, saved_bytes(p, saved), _cost(joint, p, saved)
+        return saved, lam, saved_bytes(p, saved), _cost(walk, p, saved)
 
     first, *rest = [scored(*c) for c in candidates]
     kept = []
@@ -179,22 +186,22 @@ def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Nod
 def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
                   notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
-    """(saved set, recompute weight, recomputable set) for ``options.memory_budget``; never refused.
+    """(saved set, recompute weight, recomputable set) for ``options.memory_budget`` or
+    ``options.peak_budget``; never refused.
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
     vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
     at the peak). Layer boundaries are not kept by force (that is level 1's heuristic): the
-    simulated peak judges every plan. Always kept: ``keep`` (user annotations) and what the
-    backward reads before its simulated peak. ``layerwise``: checkpointing plans (level 1's, every
-    k-th boundary) added to the candidates as they are.
+    simulated peak judges every plan. Always kept: ``keep`` (user annotations). ``layerwise``:
+    checkpointing plans (level 1's, every k-th boundary) added to the candidates as they are.
 
-    The choice, for caps from the highest to the lowest candidate's bytes: the least recompute
-    within the cap among the candidates whose simulated peak is at most that of the plan chosen
-    for the cap above (the level's own plan first), so a lower cap never means a higher peak. A
-    cap that no such plan meets gets the plan of least simulated peak (then least bytes) with
-    one warning, or :class:`BudgetError` under ``strict``; fraction 0 asks for that plan.
+    ``memory_budget``: :func:`_choose` walks the caps from the most bytes down. A fraction that
+    only plans peaking higher than a higher fraction's meet is unmet (a fraction stays monotone
+    in the peak); bytes are a hard cap, met at the higher peak with a warning. ``peak_budget``:
+    :func:`_cheapest_under`. An unmet cap gets the plan of least simulated peak with one warning
+    (``strict``: :class:`BudgetError`); fraction 0 asks for that plan.
     """
-    recomp = recomputable - keep
+    recomp, walk, names = recomputable - keep, Walk(joint), joint.input_names()
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
     budget = options.memory_budget
@@ -206,20 +213,21 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
     # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
     candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
-                   for c in _greedy(joint, [c for c, _ in cuts], p, pos)]
-    candidates = _pareto(joint, p, candidates)
+                   for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
+    candidates = _pareto(walk, p, candidates)
     known = {tuple(c[0]) for c in candidates}
-    candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(joint, p, c)) for c in layerwise if tuple(c) not in known]
-    scored = [(saved, lam, nbytes, simulated(joint, saved, sizes, options)[0], cost)
+    candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(walk, p, c)) for c in layerwise if tuple(c) not in known]
+    scored = [(saved, lam, nbytes, simulated(joint, saved, sizes, options, names=names)[0], cost)
               for saved, lam, nbytes, cost in candidates]
     lowest = min(scored, key=lambda c: (c[3], c[2], c[4]))
     # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
     # plan less a few small values gives caps just below it a plan that peaks about as low.
     known = {tuple(c[0]) for c in scored}
-    for c in _trimmed(joint, lowest[0], p, pos):
+    for c in _trimmed(walk, lowest[0], p, pos):
         if tuple(c) not in known:
             known.add(tuple(c))
-            scored.append((c, lowest[1], saved_bytes(p, c), simulated(joint, c, sizes, options)[0], _cost(joint, p, c)))
+            peak = simulated(joint, c, sizes, options, names=names)[0]
+            scored.append((c, lowest[1], saved_bytes(p, c), peak, _cost(walk, p, c)))
     lowest, least = min(scored, key=lambda c: (c[3], c[2], c[4])), min(c[2] for c in scored)
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")
@@ -257,7 +265,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     notes.append(f"{what}: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
                  f"chosen among {how}")
-    return saved, lam, recomp | recomputed(joint, saved)
+    return saved, lam, recomp | walk(saved)
 
 
 def _unmet(options: Options, msg: str, lowest: tuple, notes: list[str]) -> None:
