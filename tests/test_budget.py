@@ -145,8 +145,7 @@ def _measured(w, options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, kwargs", [
-    ("hf_gpt2", dict(NARROW, dropout=0.1)),
-    ("hf_llama", NARROW),
+    ("hf_gpt2", dict(NARROW, dropout=0.1)),  # the zoo's 16 models: bench/studies/budget_zoo.py
     ("mlp_chain", dict(batch=16, width=64, depth=4)),
 ])
 def test_measured_peak_falls_with_the_fraction_down_to_level1s(name, kwargs):
@@ -221,5 +220,5 @@ def test_peak_budget_takes_the_cheapest_plan_that_fits_and_warns_when_none_does(
         _, grads, _ = _measured(w, {"peak_budget": 1})
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="BudgetError: option 'peak_budget': 1 bytes"):
+    with pytest.raises(Exception, match="option 'peak_budget': 1 bytes is below every plan's simulated step peak"):
         _measured(w, {"peak_budget": 1, "strict": True})

@@ -130,10 +130,13 @@ def test_budget_monotone_and_within_cap():
     last_bytes, last_peak = p0.saved_bytes, _peak(w, {})
     for frac in (0.95, 0.8, 0.4, 0.0):
         torch._dynamo.reset()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # each cap is met: no warning
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
             p, _, _ = _run(w, memory_budget=frac)
-        assert frac == 0.0 or p.saved_bytes <= frac * p0.saved_bytes
+        unmet = [str(r.message) for r in record if "is infeasible" in str(r.message)]
+        # a fraction only plans with a higher peak meet is unmet: it warns, and takes the least peak
+        assert frac == 0.0 or p.saved_bytes <= frac * p0.saved_bytes or unmet
+        assert not (frac == 0.0 and unmet)
         assert frac == 0.0 or p.saved_bytes <= last_bytes  # fraction 0 is the least peak, not the least bytes
         peak = _peak(w, {"memory_budget": frac})
         # +0.5%: plans of equal simulated peak can measure a few KB apart (0.4 measured 2.4 KB above 0.8)
