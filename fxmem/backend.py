@@ -11,6 +11,7 @@ A per-example region's chunk graphs take the same path from pattern lowering on
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -111,7 +112,9 @@ def _planned_peak(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) 
     alone reports a failure, once)."""
     partitioner = Partitioner(replace(opts, inner="eager", strict=True))
     try:
-        inner.compile_joint(gm, example_inputs, "eager", partitioner)
+        with warnings.catch_warnings():  # the real compile warns, once (e.g. a budget it cannot meet)
+            warnings.simplefilter("ignore")
+            inner.compile_joint(gm, example_inputs, "eager", partitioner)
     except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
         log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
         return None
@@ -124,7 +127,7 @@ def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, 
     (``ghost_clipping``) and the recompute plan of its inner backward, the inner compiler, the
     reports. In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch
     size), so the inner planner gets the level and rules only."""
-    opts = replace(opts, memory_budget=None, lowering=_chunk_lowering(opts))
+    opts = replace(opts, memory_budget=None, peak_budget=None, lowering=_chunk_lowering(opts))
     gm, lowered = lowering.lower(gm, example_inputs, opts)
     partitioner = Partitioner(opts)
     ghost = per_example.Ghost(opts, gm)

@@ -74,7 +74,8 @@ class Rule:
 class Options:
     level: int = 0  # 0: cheap ops + user rules; 1: layerwise recompute; 2: 1 + compromised plans
     config: tuple[Rule, ...] = ()
-    memory_budget: int | float | None = None  # bytes (int) or fraction (float in (0, 1])
+    memory_budget: int | float | None = None  # saved activation bytes (int) or a fraction (float in [0, 1])
+    peak_budget: int | None = None  # bytes: the cheapest plan whose simulated step peak fits (not with memory_budget)
     inner: str = "inductor"
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
@@ -167,8 +168,8 @@ def parse_budget(value: Any, key: str = "memory_budget") -> int | float | None:
     if value is None:
         return None
     if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise _err(key, value, "a fraction in (0, 1] of level 0's saved bytes, or bytes (int or '512MB')")
+        if not 0.0 <= value <= 1.0:
+            raise _err(key, value, "a fraction in [0, 1] of level 0's saved bytes, or bytes (int or '512MB')")
         return value
     return parse_bytes(value, key)
 
@@ -232,6 +233,7 @@ _PARSERS = {
     "level": parse_level,
     "config": parse_config,
     "memory_budget": parse_budget,
+    "peak_budget": lambda v: None if v is None else parse_bytes(v, "peak_budget"),
     "inner": _parse_inner,
     "plan_shape": _parse_plan_shape,
     "microbatch_size": _parse_microbatch,
@@ -267,4 +269,8 @@ def resolve(options: Mapping[str, Any] | Options | None = None, env: Mapping[str
         if key not in _PARSERS:
             raise ValueError(f"option {key!r}: unknown option (value {value!r}); allowed keys: {', '.join(_PARSERS)}")
         values[key] = _PARSERS[key](value)
+    if values.get("memory_budget") is not None and values.get("peak_budget") is not None:
+        raise ValueError(f"options 'memory_budget' ({values['memory_budget']!r}) and 'peak_budget' "
+                         f"({values['peak_budget']!r}): give one; memory_budget caps the saved activations, "
+                         "peak_budget the step's peak")
     return Options(**values)

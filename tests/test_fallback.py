@@ -1,5 +1,7 @@
 """The failure policy: a stage that raises falls back to a safe plan with one warning naming the
 stage and the reason; strict=True raises instead. Failures are injected into each stage."""
+import warnings
+
 import pytest
 import torch
 from torch.func import functional_call, grad, vmap
@@ -96,5 +98,12 @@ def test_user_errors_are_not_stage_failures():
     model, inputs = build(ModelSpec())
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "memory_budget": 1})
-    with pytest.raises(ValueError, match="memory_budget"):
+    with warnings.catch_warnings(record=True) as record:  # a cap that cannot be met: the user's, warned
+        warnings.simplefilter("always")
         compiled(**inputs)
+    assert [r.category for r in record if "memory_budget" in str(r.message)] == [UserWarning]
+    assert not [r for r in record if "stage" in str(r.message)]
+    torch._dynamo.reset()
+    strict = torch.compile(model, backend="fxmem", options={"inner": "eager", "memory_budget": 1, "strict": True})
+    with pytest.raises(ValueError, match="memory_budget"):
+        strict(**inputs)

@@ -36,6 +36,9 @@ def test_budget_forms():
     assert resolve({"memory_budget": "1.5GiB"}, env=ENV0).memory_budget == int(1.5 * 2**30)
     assert resolve({"memory_budget": 1000}, env=ENV0).memory_budget == 1000
     assert resolve({"memory_budget": 0.5}, env=ENV0).memory_budget == 0.5
+    assert resolve({"memory_budget": 0.0}, env=ENV0).memory_budget == 0.0
+    assert resolve({"peak_budget": "6GB"}, env=ENV0).peak_budget == 6 * 10**9
+    assert resolve({"peak_budget": 4096}, env=ENV0).peak_budget == 4096
 
 
 def test_options_are_frozen():
@@ -60,7 +63,11 @@ def test_options_are_frozen():
     ({"memory_budget": -5}, r"option 'memory_budget': got -5; allowed: a non-negative number of bytes"),
     ({"memory_budget": "-1GB"}, r"option 'memory_budget': got '-1GB'; allowed: a non-negative number of bytes"),
     ({"memory_budget": "12 parsecs"}, r"option 'memory_budget': got '12 parsecs'"),
-    ({"memory_budget": 1.5}, r"option 'memory_budget': got 1.5; allowed: a fraction in \(0, 1\]"),
+    ({"memory_budget": 1.5}, r"option 'memory_budget': got 1.5; allowed: a fraction in \[0, 1\]"),
+    ({"peak_budget": 0.5}, r"option 'peak_budget': got 0.5; allowed: a non-negative number of bytes"),
+    ({"peak_budget": "-2GB"}, r"option 'peak_budget': got '-2GB'"),
+    ({"memory_budget": 0.5, "peak_budget": "1GB"}, r"options 'memory_budget' \(0.5\) and 'peak_budget' "
+                                                    r"\(1000000000\): give one"),
     ({"inner": "tvm"}, r"option 'inner': got 'tvm'; allowed: 'inductor' or 'eager'"),
     ({"microbatch_size": 0}, r"option 'microbatch_size': got 0; allowed: None, a positive int, or 'auto'"),
     ({"lowering": {"bias_gleu": True}}, r"option 'lowering.bias_gleu': got True; allowed: pattern names"),

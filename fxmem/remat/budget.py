@@ -1,15 +1,16 @@
-"""The memory budget: the least recompute whose saved bytes fit a cap, with a peak that never
-rises as the cap falls.
+"""The memory budgets: the least recompute whose saved bytes (``memory_budget``) or simulated step
+peak (``peak_budget``) fit a cap, never refused.
 
-Candidates are the level's own plan and every cut on the min-cut frontier (each the cheapest cut
-for some recompute weight) with fewer saved bytes. Fewer saved bytes can still mean a higher
-step peak: a recomputed value is alive again in the backward, perhaps at its peak. So each
-candidate's peak is simulated, and only candidates strictly below the peak of every candidate
-with more saved bytes are admissible (one whose simulated peak is merely equal recomputes more
-for nothing, and the simulation can be a few hundred bytes off either way). A cap then picks the
-admissible candidate of least recompute cost within it. The candidate list and the rule do not
-depend on the cap, so a lower cap picks either the same plan or one with fewer saved bytes,
-which admissibility puts below the higher cap's peak.
+Candidates are the level's own plan, every cut on the min-cut frontier (each the cheapest cut
+for some recompute weight) with fewer saved bytes, and layerwise checkpoints (level 1's plan and
+every k-th layer boundary kept). Layer boundaries are not kept by force: fewer saved bytes can
+still mean a higher step peak (a recomputed value is alive again in the backward, perhaps at its
+peak), so each candidate's peak is simulated and the choice (:func:`_choose`) walks the caps
+from the most bytes down, taking at each the least recompute among the plans at most as high as
+the choice above; only where no plan within a cap peaks that low does the cap win over the peak.
+The candidate list and the rule do not depend on the cap. A cap below every candidate gets the
+plan of least simulated peak with a warning (``strict``: :class:`BudgetError`); fraction 0 asks
+for that plan.
 
 Frontier cuts of a model with identical layers jump by whole sets of layers (recomputing the MLP
 in every layer or in none), so a cap just under a cut's bytes would pay for far more recompute
@@ -25,20 +26,22 @@ walk, adds those. Only candidates that no other beats on both bytes and recomput
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch.fx as fx
 
 from ..graph.joint import JointGraph
-from ..graph.liveness import simulate, step_peak
+from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import OptionError, Options
 from .mincut import CutProblem, frontier, saved_bytes
-from .split import recomputed, split
+from .split import Walk, split
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
+SLACK = 1e-4  # simulated peaks this close count as equal (a scalar, a rounding)
 
 
 class BudgetError(OptionError):
@@ -46,13 +49,14 @@ class BudgetError(OptionError):
 
 
 def simulated(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options,
-              cost: dict[fx.Node, float] | None = None) -> tuple[int, float]:
+              cost: dict[fx.Node, float] | None = None, names: set[str] | None = None) -> tuple[int, float]:
     """(simulated step peak, recompute cost) of a saved set, as the inner compiler will run its split."""
-    s = split(joint, saved)
+    s = split(joint, saved, lazy=True)
     if options.inner == "eager":
         reuse_dead_buffers(s.fw)
         reuse_dead_buffers(s.bw)
-    return step_peak(s.fw, s.bw, sizes, joint.input_names()), sum((cost or {}).get(n, 0.0) for n in s.recomputed)
+    peak = step_peak(s.fw, s.bw, sizes, joint.input_names() if names is None else names)
+    return peak, sum((cost or {}).get(n, 0.0) for n in s.recomputed)
 
 
 def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
@@ -60,37 +64,21 @@ def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes
     return simulated(joint, saved, sizes, options)[0]
 
 
-def read_before_backward_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes) -> set[fx.Node]:
-    """Saved values that the backward reads before its (simulated) peak.
-
-    Recomputing one of them would only move it from the forward to just before the peak, where
-    it is alive either way (e.g. the log-softmax a cross-entropy backward starts from).
-    """
-    s = split(joint, saved)
-    nodes = list(s.bw.graph.nodes)
-    at = simulate(s.bw, sizes).peak_at
-    cutoff = next(i for i, n in enumerate(nodes) if n.name == at)
-    pos = {n: i for i, n in enumerate(nodes)}
-    by_name = {n.name: n for n in s.saved}
-    return {by_name[ph.name] for ph in s.bw.graph.find_nodes(op="placeholder")
-            if ph.name in by_name and any(pos[u] <= cutoff for u in ph.users)}
-
-
-def _cost(joint: JointGraph, p: CutProblem, saved) -> float:
+def _cost(walk: Walk, p: CutProblem, saved) -> float:
     """Recompute cost of a saved set (what :func:`split` would recompute, priced by ``p``)."""
-    return sum(p.cost.get(n, 0.0) for n in recomputed(joint, saved))
+    return sum(p.cost.get(n, 0.0) for n in walk(saved))
 
 
-def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[set, set]]:
+def _units(walk: Walk, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[set, set]]:
     """How two neighbouring cuts differ, in independent units ``(drop, add)``: going from ``more``
     to ``fewer`` in one unit drops its values of ``more``, keeps its values of ``fewer`` instead
     and recomputes its ops. A unit is a connected group (by data edges) of the values and ops in
     which the cuts differ, e.g. one layer's gate projection with its output."""
     a, b = set(more), set(fewer)
-    members = {n for n in a ^ b if n.op != "placeholder"} | (recomputed(joint, b) ^ recomputed(joint, a))
+    members = {n for n in a ^ b if n.op != "placeholder"} | (walk(b) ^ walk(a))
     seen: set[fx.Node] = set()
     units = []
-    for start in (n for n in joint.gm.graph.nodes if n in members and n not in seen):
+    for start in (n for n in walk.joint.gm.graph.nodes if n in members and n not in seen):
         todo, group = [start], set()
         seen.add(start)
         while todo:
@@ -105,20 +93,25 @@ def _units(joint: JointGraph, more: list[fx.Node], fewer: list[fx.Node]) -> list
     return units
 
 
-def _greedy(joint: JointGraph, cuts: list[list[fx.Node]], p: CutProblem,
+def _greedy(walk: Walk, cuts: list[list[fx.Node]], p: CutProblem,
             pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """A greedy walk from the first cut down to the last, and every plan one unit away from it.
     Each step applies the one unit (of any neighbouring pair of cuts, :func:`_units`) that frees
     bytes at the least extra recompute cost per byte freed. This mixes the cuts layer by layer
     and projection by projection (e.g. two layers' gate projections and one query projection),
     which the cuts alone and the steps between two of them do not."""
-    units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(joint, more, fewer)]
-    allowed = p.recomputable | recomputed(joint, cuts[0])  # the level's own plan may recompute more
+    units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(walk, more, fewer)]
+    allowed = p.recomputable | walk(cuts[0])  # the level's own plan may recompute more
+
+    memo: dict[frozenset, tuple[int, float] | None] = {}
 
     def score(saved: set[fx.Node]) -> tuple[int, float] | None:
-        if not recomputed(joint, saved) <= allowed:
-            return None  # would recompute what may not be
-        return saved_bytes(p, saved), _cost(joint, p, saved)
+        key = frozenset(saved)
+        if key not in memo:
+            again = walk(saved)  # one walk of the backward per distinct plan
+            memo[key] = None if not again <= allowed else (  # None: would recompute what may not be
+                saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in again))
+        return memo[key]
 
     current, plans = set(cuts[0]), {}
     nbytes, cost = score(current)
@@ -158,13 +151,29 @@ def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
     return list(plans.values())
 
 
-def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
+def _trimmed(walk: Walk, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """``saved`` less its j smallest kept values (j = 1 .. ``STEPS``), and less one value of each
+    size (the last in the graph), where what that recomputes may be recomputed."""
+    allowed = p.recomputable | walk(saved)
+    kept = sorted((n for n in saved if n.op != "placeholder" and p.nbytes.get(n, 0) > 0),
+                  key=lambda n: (p.nbytes[n], -pos[n]))
+    drops = [set(kept[:j]) for j in range(1, min(STEPS, len(kept)) + 1)]
+    drops += [{n} for n in {p.nbytes[n]: n for n in reversed(kept)}.values()]
+    plans = []
+    for drop in drops:
+        plan = [n for n in saved if n not in drop]
+        if walk(plan) <= allowed:
+            plans.append(plan)
+    return plans
+
+
+def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
             ) -> list[tuple[list[fx.Node], float, int, float]]:
     """(saved, weight, bytes, recompute cost) of the candidates that no other beats on both bytes
     and cost, most bytes first; the first candidate (the level's own plan) always. Only these are
     simulated: a plan with more bytes and more cost than another is never worth its peak."""
     def scored(saved, lam):
-        return saved, lam, saved_bytes(p, saved), _cost(joint, p, saved)
+        return saved, lam, saved_bytes(p, saved), _cost(walk, p, saved)
 
     first, *rest = [scored(*c) for c in candidates]
     kept = []
@@ -176,15 +185,23 @@ def _pareto(joint: JointGraph, p: CutProblem, candidates: list[tuple[list[fx.Nod
 
 def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
-                  notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
-    """(saved set, recompute weight, recomputable set) for ``options.memory_budget``.
+                  notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
+    """(saved set, recompute weight, recomputable set) for ``options.memory_budget`` or
+    ``options.peak_budget``; never refused.
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
     vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
-    at the peak). Always kept: layer boundaries (``keep``; recomputing across them reruns earlier
-    layers while later ones are alive) and what the backward reads before its simulated peak.
+    at the peak). Layer boundaries are not kept by force (that is level 1's heuristic): the
+    simulated peak judges every plan. Always kept: ``keep`` (user annotations). ``layerwise``:
+    checkpointing plans (level 1's, every k-th boundary) added to the candidates as they are.
+
+    ``memory_budget``: :func:`_choose` walks the caps from the most bytes down. A fraction that
+    only plans peaking higher than a higher fraction's meet is unmet (a fraction stays monotone
+    in the peak); bytes are a hard cap, met at the higher peak with a warning. ``peak_budget``:
+    :func:`_cheapest_under`. An unmet cap gets the plan of least simulated peak with one warning
+    (``strict``: :class:`BudgetError`); fraction 0 asks for that plan.
     """
-    recomp = recomputable - keep - read_before_backward_peak(joint, saved0, sizes)
+    recomp, walk, names = recomputable - keep, Walk(joint), joint.input_names()
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
     budget = options.memory_budget
@@ -196,29 +213,93 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
     # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
     candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
-                   for c in _greedy(joint, [c for c, _ in cuts], p, pos)]
-    candidates = _pareto(joint, p, candidates)
-    admissible, lowest = [], None
-    for saved, lam, nbytes, cost in candidates:
-        peak, _ = simulated(joint, saved, sizes, options)
-        if lowest is None or peak < lowest:
-            admissible.append((saved, lam, nbytes, peak, cost))
-            lowest = peak
-    fits = [c for c in admissible if c[2] <= cap]
-    if not fits:
-        smallest, fewest = admissible[-1][2], candidates[-1][2]
-        why = "" if fewest == smallest else (
-            f"; plans that save as little as {fewest} bytes exist, but their simulated peak is not lower")
-        raise BudgetError(f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
-                          f"the smallest feasible budget is {smallest} bytes "
-                          f"({smallest / max(level_bytes, 1):.3f} of level {options.level}'s {level_bytes}){why}")
-    # The least recompute within the cap (ties: the most saved bytes, then the first). A lower cap
-    # picks among a subset: the same plan, or one with fewer bytes and a lower simulated peak.
-    saved, lam, nbytes, peak, cost = min(fits, key=lambda c: (c[4], -c[2]))
-    notes.append(f"memory budget {cap} bytes: saved {nbytes} bytes (level {options.level} alone: "
+                   for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
+    candidates = _pareto(walk, p, candidates)
+    known = {tuple(c[0]) for c in candidates}
+    candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(walk, p, c)) for c in layerwise if tuple(c) not in known]
+    scored = [(saved, lam, nbytes, simulated(joint, saved, sizes, options, names=names)[0], cost)
+              for saved, lam, nbytes, cost in candidates]
+    lowest = min(scored, key=lambda c: (c[3], c[2], c[4]))
+    # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
+    # plan less a few small values gives caps just below it a plan that peaks about as low.
+    known = {tuple(c[0]) for c in scored}
+    for c in _trimmed(walk, lowest[0], p, pos):
+        if tuple(c) not in known:
+            known.add(tuple(c))
+            peak = simulated(joint, c, sizes, options, names=names)[0]
+            scored.append((c, lowest[1], saved_bytes(p, c), peak, _cost(walk, p, c)))
+    lowest, least = min(scored, key=lambda c: (c[3], c[2], c[4])), min(c[2] for c in scored)
+    how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
+           "on bytes and recompute, and layerwise checkpoints)")
+    if options.peak_budget is not None:
+        chosen, what = _cheapest_under(scored, options.peak_budget), f"peak budget {options.peak_budget} bytes"
+        if chosen is None:
+            _unmet(options, f"option 'peak_budget': {options.peak_budget!r} bytes is below every plan's simulated "
+                            f"step peak; the least is {lowest[3]} bytes among {how}", lowest, notes)
+    else:
+        chosen, ceiling = _choose(scored, cap)
+        what = f"memory budget {cap} bytes"
+        # the fewest bytes a cap is met with: any plan (bytes), or one at the least peak (a fraction)
+        met = least if isinstance(budget, int) else min(c[2] for c in scored if c[3] <= lowest[3] * (1 + SLACK))
+        if isinstance(budget, float) and budget == 0.0:
+            chosen = lowest
+        elif chosen is None or isinstance(budget, float) and chosen[3] > ceiling * (1 + SLACK):
+            # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
+            # peak) only plans that peak higher than a higher fraction's
+            _unmet(options, f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
+                            f"the smallest feasible budget is {met} bytes ({met / max(level_bytes, 1):.3f} of "
+                            f"level {options.level}'s {level_bytes}) among {how}"
+                            + ("" if chosen is None else
+                               f"; fewer bytes than the least-peak plan's peak higher ({chosen[3]} bytes at the "
+                               f"least against {lowest[3]})"), lowest, notes)
+            chosen = None
+        elif chosen[3] > ceiling * (1 + SLACK):  # bytes: a hard cap, met at a higher peak
+            msg = (f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is met only by plans that "
+                   f"peak higher than a higher budget's: simulated peak {chosen[3]} bytes against {ceiling} (every "
+                   f"plan that saves fewer bytes recomputes more values alive at the peak); memory_budget=0.0 or "
+                   f"peak_budget asks for the least peak")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            notes.append(msg)
+    chosen = chosen or lowest
+    saved, lam, nbytes, peak, cost = chosen
+    notes.append(f"{what}: saved {nbytes} bytes (level {options.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
-                 f"{len(admissible)} of {len(candidates)} candidate plans "
-                 "(frontier cuts, steps between them and greedy mixes, "
-                 "those no other beats on bytes and recompute) admissible: "
-                 "the level's own, then each below every simulated peak before it")
-    return saved, lam, recomp
+                 f"chosen among {how}")
+    return saved, lam, recomp | walk(saved)
+
+
+def _unmet(options: Options, msg: str, lowest: tuple, notes: list[str]) -> None:
+    """A cap no plan meets: :class:`BudgetError` under ``strict``, else one warning (the plan of
+    least simulated peak is used)."""
+    if options.strict:
+        raise BudgetError(msg)
+    msg += (f"; using the plan of least simulated peak instead: {lowest[2]} bytes saved, simulated peak "
+            f"{lowest[3]} bytes (strict=True raises)")
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    notes.append(msg)
+
+
+def _cheapest_under(scored: list[tuple], peak: int) -> tuple | None:
+    """The least recompute (then the lowest peak) among the plans whose simulated step peak is at
+    most ``peak``; None when none is. Lowering the cap only removes plans, and the plan chosen
+    above stays chosen while it fits: a lower cap never gives a higher simulated peak."""
+    fits = [c for c in scored if c[3] <= peak]
+    return min(fits, key=lambda c: (c[4], c[3], -c[2])) if fits else None
+
+
+def _choose(scored: list[tuple], cap: int) -> tuple[tuple | None, int]:
+    """(the plan for ``cap`` or None when every candidate saves more, the least peak of the plans
+    for higher caps). Walks the candidates' bytes from the most down to the cap: at each, among
+    the plans within those bytes, the least recompute (then the most bytes) of those whose
+    simulated peak is at most the least peak chosen so far (the level's own plan's at first,
+    ``SLACK`` allowed: a scalar more is the same peak); where there is none, the cap is met at the
+    least peak among the plans within it, which is higher: the caller warns."""
+    ceiling = scored[0][3]
+    for b in sorted({c[2] for c in scored}, reverse=True):
+        fits = [c for c in scored if c[2] <= b]
+        lower = [c for c in fits if c[3] <= ceiling * (1 + SLACK)]
+        choice = min(lower, key=lambda c: (c[4], -c[2])) if lower else min(fits, key=lambda c: (c[3], c[4]))
+        if b <= cap:
+            return choice, ceiling
+        ceiling = min(ceiling, choice[3])
+    return None, ceiling

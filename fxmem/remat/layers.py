@@ -76,3 +76,13 @@ def boundaries(joint: JointGraph, key: dict[fx.Node, str]) -> set[fx.Node]:
             if a not in from_inputs and key.get(a) != k and a in joint.forward and (k is not None or a in key):
                 out.add(a)
     return out
+
+
+def every_kth(joint: JointGraph, key: dict[fx.Node, str], fences: set[fx.Node], k: int) -> set[fx.Node]:
+    """The boundaries that a checkpoint every ``k`` layers keeps (the sqrt(n) schedule for
+    ``k ~ sqrt(n)``): those read by layers ``0, k, 2k, ...`` (in graph order) or by code outside
+    the layers (the head); the others are recomputed with the layers between two kept ones."""
+    order = {name: i for i, name in enumerate(dict.fromkeys(key[n] for n in joint.gm.graph.nodes if n in key))}
+    return {a for a in fences
+            if any(u in joint.forward and key.get(u) != key.get(a)
+                   and (key.get(u) is None or order[key[u]] % k == 0) for u in a.users)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from ..options import Options
 from .allowlist import CHEAP, HEAVY, kind
 from .budget import predicted_peak, within_budget
 from .clusters import Cluster, find_clusters
-from .layers import boundaries, layers
+from .layers import boundaries, every_kth, layers
 from .mincut import CutProblem, NoPlan, solve
 
 log = logging.getLogger("fxmem")
@@ -145,7 +146,8 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         notes.append(msg)
         no_save.clear()
         saved = solve(problem(frozenset(recomputable)), lam)
-    plain0 = not (options.config or options.memory_budget or must_save or must_recompute)
+    budgeted = options.memory_budget is not None or options.peak_budget is not None
+    plain0 = not (options.config or budgeted or must_save or must_recompute)
     level0 = saved if options.level == 0 and plain0 else solve(
         CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then.
@@ -153,15 +155,38 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
             joint, level0, sizes, options):
         notes.append(f"level {options.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
-    if options.memory_budget is not None:
+    if budgeted:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-        saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save | fences, problem,
-                                          notes)
+        saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save, problem, notes,
+                                          _layerwise(joint, key, fences, must_save, problem))
     kept = {root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
     return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
                 _bytes(stashed, nbytes), _bytes(level0, nbytes))
+
+
+def _layerwise(joint: JointGraph, key: dict[fx.Node, str], fences: set[fx.Node], must_save: set[fx.Node],
+               problem) -> list[list[fx.Node]]:
+    """Layerwise checkpointing plans for the budget's candidates: level 1's (keep every layer
+    boundary, recompute everything inside the layers) and, on deeper models, keeping only every
+    k-th boundary for k = 2 and k = sqrt(n) (the layers between two kept boundaries are recomputed
+    together)."""
+    n = len(set(key.values()))
+    if n == 0:
+        return []
+    cheap = {m for m in joint.gm.graph.nodes if m not in joint.backward and kind(m) == CHEAP}
+    inside = {m for m in key if kind(m) == HEAVY}
+    plans = []
+    for k in sorted({1, 2, math.isqrt(n)} - {0}):
+        if k >= n and k > 1:
+            continue
+        kept = fences if k == 1 else every_kth(joint, key, fences, k)
+        try:
+            plans.append(solve(problem(frozenset((cheap | inside | fences) - kept - must_save)), TIEBREAK))
+        except NoPlan:  # a rule or tag that asks for the impossible: no such plan
+            continue
+    return plans
 
 
 def _bytes(saved, nbytes: dict[fx.Node, int]) -> int:

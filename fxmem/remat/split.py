@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
@@ -57,8 +58,10 @@ def _late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) ->
 
 
 def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
-             late: set[fx.Node] = frozenset()) -> fx.GraphModule:
-    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``."""
+             late: set[fx.Node] = frozenset(), lazy: bool = False) -> fx.GraphModule:
+    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``. ``lazy``:
+    a module whose Python code is generated only if it is ever called (a plan's simulation reads
+    the graph only; code generation was most of the budget's time)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
@@ -72,6 +75,8 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
     out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     if descs is not None:
         out.meta["desc"] = descs
+    if lazy:
+        return _LazyGraphModule(gm, graph)
     graph.lint()
     return fx.GraphModule(gm, graph)
 
@@ -106,19 +111,53 @@ def _recomputed(joint: JointGraph, seen: set[fx.Node], saved: set[fx.Node]) -> s
     return {n for n in seen - saved if n not in joint.backward and n not in tangents and n.op != "get_attr"}
 
 
+class Walk:
+    """:func:`recomputed` for many saved sets of one joint graph that does not change meanwhile
+    (the budget's candidates): the edges are read once, as indices, and each set walked once."""
+
+    def __init__(self, joint: JointGraph):
+        self.joint, nodes = joint, list(joint.gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        tangents = set(joint.tangents)
+        self._nodes, self._tangents = nodes, {index[t] for t in tangents}
+        self._inputs = [tuple(index[a] for a in n.all_input_nodes) for n in nodes]
+        self._inputs_kept = {i for i, n in enumerate(nodes)  # forward inputs and SymInts: never recomputed
+                             if n not in joint.backward and (n.op == "placeholder" or is_sym(n))}
+        self._fwd = {i for i, n in enumerate(nodes)
+                     if n not in joint.backward and n not in tangents and n.op != "get_attr"}
+        self._starts = [index[n] for n in joint.bwd_outputs if isinstance(n, fx.Node)]
+        self._index, self._memo = index, {}
+
+    def __call__(self, saved) -> frozenset[fx.Node]:
+        key = frozenset(saved)
+        if key not in self._memo:
+            stop = {self._index[n] for n in key} | self._tangents
+            todo, seen = list(self._starts), set()
+            while todo:
+                i = todo.pop()
+                if i in seen:
+                    continue
+                seen.add(i)
+                if i not in stop and i not in self._inputs_kept:
+                    todo.extend(self._inputs[i])
+            again = (seen & self._fwd) - stop - self._inputs_kept
+            self._memo[key] = frozenset(self._nodes[i] for i in again)
+        return self._memo[key]
+
+
 def recomputed(joint: JointGraph, saved) -> set[fx.Node]:
     """The forward nodes the backward runs again when ``saved`` is kept (what :func:`split`
     would copy into the backward, without building the graphs)."""
     return _recomputed(joint, *_walk(joint, set(saved)))
 
 
-def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
+def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], lazy: bool = False) -> Split:
     """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
     Raises :class:`InvalidSavedSet` if the backward would recompute a random op that does not
-    replay its generator (see ``replay``).
+    replay its generator (see ``replay``). ``lazy``: for simulation only (see :func:`_extract`).
     """
     order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
     saved = set(saved)
@@ -149,8 +188,8 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
     n_fwd = len(joint.fwd_outputs)
     n_saved = len(tensors) + len(syms_sorted)
     fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
-                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)])
+                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)], lazy=lazy)
     bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
-                  late=set(recomputed))
+                  late=set(recomputed), lazy=lazy)
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))

@@ -6,12 +6,11 @@ import warnings
 import pytest
 import torch
 from functorch.compile import aot_function
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fxmem.inner import eager
 from fxmem.options import resolve
-from fxmem.remat.budget import BudgetError
 from fxmem.remat.partition import Partitioner
 from fxmem.testing.programs import program_inputs, programs, run_program
 
@@ -44,14 +43,11 @@ def test_any_plan_keeps_gradients_and_its_byte_count(program, opts, data):
     keep = {t.untyped_storage().data_ptr() for t in inputs}  # inputs and views of them are free
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the "matches nothing" rule warns
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: held.append(0 if t.untyped_storage().data_ptr() in keep
-                                          else t.numel() * t.element_size()) or t,
-                    lambda t: t):
-                loss = compiled(*inputs)
-        except BudgetError:
-            assume(False)  # an infeasible budget is an error by design (tested elsewhere)
+        with torch.autograd.graph.saved_tensors_hooks(  # a budget is never refused (an unmet one warns)
+                lambda t: held.append(0 if t.untyped_storage().data_ptr() in keep
+                                      else t.numel() * t.element_size()) or t,
+                lambda t: t):
+            loss = compiled(*inputs)
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     torch.testing.assert_close(loss, fn(*inputs), rtol=1e-6, atol=0)
     for a, b in zip(grads, ref):

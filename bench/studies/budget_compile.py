@@ -1,0 +1,55 @@
+"""Compile time with a memory budget against level 0's (issue [budget]): a Llama config at 2, 8
+and 32 layers (eager inner compiler, lowering off so both plan once), fresh compiles interleaved
+in one run; the first step's time (tracing, planning, the step) and the ratio.
+
+    python bench/studies/budget_compile.py [LAYERS ...]   # writes bench/results/budget-compile-time.{json,md}
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+import common  # noqa: E402
+
+import fxmem  # noqa: E402,F401  (registers the backend)
+from fxmem.models import build  # noqa: E402
+
+CONFIGS = {"level 0": {}, "memory_budget 0.5": {"memory_budget": 0.5}, "peak_budget": {"peak_budget": "1MB"}}
+
+
+def first_step(layers: int, options: dict) -> float:
+    torch._dynamo.reset()
+    w = build("hf_llama", batch=2, seq=64, vocab=1024, d=64, layers=layers, heads=2)
+    compiled = torch.compile(w.model, backend="fxmem", options={"inner": "eager", "lowering": False, **options})
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an unmet peak cap warns
+        w.loss(compiled(**w.batch)).backward()
+    return time.perf_counter() - t
+
+
+def main(layer_counts: list[int]) -> None:
+    torch.set_num_threads(1)
+    rows = []
+    for layers in layer_counts:
+        times = {name: first_step(layers, opts) for name, opts in CONFIGS.items()}
+        print(layers, {k: round(v, 1) for k, v in times.items()}, flush=True)
+        rows += [dict(layers=layers, config=k, seconds=v, ratio=v / times["level 0"]) for k, v in times.items()]
+    lines = ["# Compile time with a budget against level 0", "",
+             "Llama config (hidden 64, batch 2 x seq 64), eager inner compiler, lowering off; first step (compile + "
+             "run) of one fresh compile each, interleaved. Bar: <= 1.5x level 0.", "",
+             "| layers | config | first step s | / level 0 |", "|---:|---|---:|---:|"]
+    lines += [f"| {r['layers']} | {r['config']} | {r['seconds']:.1f} | {r['ratio']:.2f} |" for r in rows]
+    common.write_results("budget-compile-time", rows, "\n".join(lines) + "\n",
+                         command="python bench/studies/budget_compile.py " + " ".join(map(str, layer_counts)))
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [2, 8, 32])

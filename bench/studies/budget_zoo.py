@@ -1,0 +1,106 @@
+"""The memory budget on every zoo model (issue [budget]): fractions 0.9 .. 0.0 and ``peak_budget``
+at 0.6x level 0's measured peak. Per model: gradients against eager, the measured peak of each
+fraction (the second step: no compile), whether it ever rises as the fraction falls, fraction 0
+against level 1, and the peak cap met (+3%) or warned about.
+
+    python bench/studies/budget_zoo.py [MODEL ...]   # writes bench/results/budget-zoo.{json,md}
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+import common  # noqa: E402
+
+import fxmem  # noqa: E402,F401  (registers the backend)
+from fxmem.profiling import step_perf  # noqa: E402
+from fxmem.testing.zoo import FAMILY, ZOO, zoo_build  # noqa: E402
+
+FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1, 0.0)
+BASE = {"inner": "eager", "lowering": False}
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(w, options):
+    """(measured peak of the second step, gradients, budget warnings) of a fresh compile."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(w.model)
+    fn = torch.compile(model, backend="fxmem", options={**BASE, **options})
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(allow_rnn=True):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            with step_perf("cpu") as perf:
+                w.loss(fn(**w.batch)).backward()
+    msgs = [str(c.message) for c in caught if "budget" in str(c.message) or "falling back" in str(c.message)]
+    return perf.result.peak_bytes, _grads(model), msgs
+
+
+def close(a, b):
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+def model_row(name):
+    w = zoo_build(name)
+    ref = copy.deepcopy(w.model)
+    torch.manual_seed(1)
+    w.loss(ref(**w.batch)).backward()
+    ref = _grads(ref)
+    t = time.perf_counter()
+    level0, g0, _ = run(w, {})
+    level1, g1, _ = run(w, {"level": 1})
+    peaks, ok, warned = [], close(g0, ref) and close(g1, ref), []
+    for f in FRACTIONS:
+        peak, g, msgs = run(w, {"memory_budget": f})
+        peaks.append(peak)
+        ok &= close(g, ref)
+        warned += [f] if msgs else []
+    cap = int(0.6 * level0)
+    pb, g, msgs = run(w, {"peak_budget": cap})
+    ok &= close(g, ref)
+    rises = [f"{a}->{b}" for (a, p), (b, q) in zip(zip(FRACTIONS, peaks), zip(FRACTIONS[1:], peaks[1:])) if q > p]
+    row = dict(model=name, family=FAMILY[name], level0=level0, level1=level1, peaks=peaks, grads_ok=ok,
+               monotone=not rises, rises=rises, zero_le_level1=peaks[-1] <= level1, warned=warned, peak_cap=cap,
+               peak_budget=pb, cap_met=pb <= cap * 1.03, cap_warned=bool(msgs), seconds=time.perf_counter() - t)
+    print(name, {k: v for k, v in row.items() if k not in ("peaks",)}, flush=True)
+    return row
+
+
+def main(names):
+    torch.set_num_threads(1)
+    rows = [model_row(n) for n in names]
+    kib = lambda b: f"{b / 1024:.0f}"  # noqa: E731
+    lines = ["# Memory budget on the zoo", "",
+             "Every zoo model (fxmem.testing.zoo, tiny configs, dropout as shipped), eager inner compiler, lowering "
+             "off. Peaks in KiB, measured on the second step. `monotone`: no fraction peaks above the one before; "
+             "`0 <= L1`: fraction 0 at most level 1's peak; peak_budget = 0.6x level 0's measured peak: met (+3%) "
+             "or warned.", "",
+             "| model | family | L0 | L1 | " + " | ".join(str(f) for f in FRACTIONS)
+             + " | grads | monotone | 0 <= L1 | warned at | peak cap | peak | cap met or warned | s |",
+             "|---|---|" + "---:|" * (2 + len(FRACTIONS)) + "---|---|---|---|---:|---:|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['family']} | {kib(r['level0'])} | {kib(r['level1'])} | "
+                     + " | ".join(kib(p) for p in r["peaks"])
+                     + f" | {'ok' if r['grads_ok'] else 'MISMATCH'}"
+                     f" | {'yes' if r['monotone'] else ', '.join(r['rises'])}"
+                     f" | {'yes' if r['zero_le_level1'] else 'NO'} | {', '.join(map(str, r['warned'])) or '-'}"
+                     f" | {kib(r['peak_cap'])} | {kib(r['peak_budget'])} | "
+                     f"{'met' if r['cap_met'] else 'warned' if r['cap_warned'] else 'NO'} | {r['seconds']:.0f} |")
+    common.write_results("budget-zoo", rows, "\n".join(lines) + "\n",
+                         command="python bench/studies/budget_zoo.py " + " ".join(names))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(ZOO))
