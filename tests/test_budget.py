@@ -171,12 +171,13 @@ def test_measured_peak_falls_with_the_fraction_down_to_level1s(name, kwargs):
 def _gap(graph, cap):
     """(fxmem's recompute cost, the exact optimum's) at ``cap`` saved bytes, priced alike."""
     from fxmem.remat.budget import _cost
+    from fxmem.remat.split import Walk
     from fxmem.testing.ilp import least_recompute
 
     p = graph.plan.problem
     best = least_recompute(p, cap)
     assert best is not None and best.saved_bytes <= cap
-    return _cost(p.joint, p, list(graph.plan.saved)), best.cost
+    return _cost(Walk(p.joint), p, list(graph.plan.saved)), best.cost
 
 
 @pytest.mark.slow
