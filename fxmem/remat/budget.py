@@ -32,12 +32,11 @@ from typing import Callable
 import torch.fx as fx
 
 from ..graph.joint import JointGraph
-from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
-from ..inner import reuse_dead_buffers
 from ..options import OptionError, Options
 from .mincut import CutProblem, frontier, saved_bytes
-from .split import Walk, split
+from .split import Walk
+from .steppeak import StepPeak
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
@@ -46,22 +45,6 @@ SLACK = 1e-4  # simulated peaks this close count as equal (a scalar, a rounding)
 
 class BudgetError(OptionError):
     pass
-
-
-def simulated(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options,
-              cost: dict[fx.Node, float] | None = None, names: set[str] | None = None) -> tuple[int, float]:
-    """(simulated step peak, recompute cost) of a saved set, as the inner compiler will run its split."""
-    s = split(joint, saved, lazy=True)
-    if options.inner == "eager":
-        reuse_dead_buffers(s.fw)
-        reuse_dead_buffers(s.bw)
-    peak = step_peak(s.fw, s.bw, sizes, joint.input_names() if names is None else names)
-    return peak, sum((cost or {}).get(n, 0.0) for n in s.recomputed)
-
-
-def predicted_peak(joint: JointGraph, saved: list[fx.Node], sizes: SymbolicSizes, options: Options) -> int:
-    """The simulated step peak of a saved set, as the inner compiler will run its split."""
-    return simulated(joint, saved, sizes, options)[0]
 
 
 def _cost(walk: Walk, p: CutProblem, saved) -> float:
@@ -201,7 +184,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     :func:`_cheapest_under`. An unmet cap gets the plan of least simulated peak with one warning
     (``strict``: :class:`BudgetError`); fraction 0 asks for that plan.
     """
-    recomp, walk, names = recomputable - keep, Walk(joint), joint.input_names()
+    recomp, walk, peak_of = recomputable - keep, Walk(joint), StepPeak(joint, sizes, options)
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
     budget = options.memory_budget
@@ -217,7 +200,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     candidates = _pareto(walk, p, candidates)
     known = {tuple(c[0]) for c in candidates}
     candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(walk, p, c)) for c in layerwise if tuple(c) not in known]
-    scored = [(saved, lam, nbytes, simulated(joint, saved, sizes, options, names=names)[0], cost)
+    scored = [(saved, lam, nbytes, peak_of(saved), cost)
               for saved, lam, nbytes, cost in candidates]
     lowest = min(scored, key=lambda c: (c[3], c[2], c[4]))
     # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
@@ -226,8 +209,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     for c in _trimmed(walk, lowest[0], p, pos):
         if tuple(c) not in known:
             known.add(tuple(c))
-            peak = simulated(joint, c, sizes, options, names=names)[0]
-            scored.append((c, lowest[1], saved_bytes(p, c), peak, _cost(walk, p, c)))
+            scored.append((c, lowest[1], saved_bytes(p, c), peak_of(c), _cost(walk, p, c)))
     lowest, least = min(scored, key=lambda c: (c[3], c[2], c[4])), min(c[2] for c in scored)
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")

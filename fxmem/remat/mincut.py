@@ -14,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
+import scipy.sparse as sp
 import torch.fx as fx
 from networkx.algorithms.flow import preflow_push
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from ..graph.joint import JointGraph, is_multi_output, is_sym
 
@@ -35,28 +38,41 @@ class CutProblem:
     no_save: frozenset[fx.Node] = frozenset()  # must not be saved (user rules / annotations)
 
 
-def _network(p: CutProblem, lam: float) -> tuple[nx.DiGraph, list[fx.Node]]:
+def _edges(p: CutProblem) -> tuple[list, list[fx.Node]]:
+    """The network's edges ``(u, v, bytes, cost)``: capacity ``bytes + lam * cost``, infinite where
+    both are None (a source edge carries only ``cost``, a node's own edge only ``bytes``)."""
     joint = p.joint
     nodes = [n for n in joint.gm.graph.nodes
              if n not in joint.backward and n.op in ("placeholder", "call_function") and not is_sym(n)]
     inside = set(nodes)
-    g = nx.DiGraph()
+    edges = []
     for n in nodes:
-        cap = {}
+        cap = None
         if n.op == "placeholder":
-            cap = {"capacity": 0}
+            cap = 0
         elif not is_multi_output(n) and n not in p.no_save:
-            cap = {"capacity": p.nbytes[n]}
-        g.add_edge((n, "in"), (n, "out"), **cap)  # no capacity attribute = infinite
+            cap = p.nbytes[n]
+        edges.append(((n, "in"), (n, "out"), cap, None))
         if n.op == "placeholder" or (n in joint.forward and n not in p.recomputable):
-            g.add_edge(SOURCE, (n, "in"))
+            edges.append((SOURCE, (n, "in"), None, None))
         elif n in joint.forward:
-            g.add_edge(SOURCE, (n, "in"), capacity=lam * p.cost[n])
+            edges.append((SOURCE, (n, "in"), None, p.cost[n]))
         for u in n.users:
             if u in inside:
-                g.add_edge((n, "out"), (u, "in"))
+                edges.append(((n, "out"), (u, "in"), None, None))
             elif u in joint.backward or u.op == "output" and n in joint.bwd_outputs:
-                g.add_edge((n, "out"), SINK)
+                edges.append(((n, "out"), SINK, None, None))
+    return list({(u, v): (u, v, b, c) for u, v, b, c in edges}.values()), nodes  # one per pair
+
+
+def _network(p: CutProblem, lam: float) -> tuple[nx.DiGraph, list[fx.Node]]:
+    edges, nodes = _edges(p)
+    g = nx.DiGraph()
+    for u, v, nbytes, cost in edges:
+        if nbytes is None and cost is None:
+            g.add_edge(u, v)  # no capacity attribute = infinite
+        else:
+            g.add_edge(u, v, capacity=(nbytes or 0) + lam * (cost or 0.0))
     return g, nodes
 
 
@@ -86,6 +102,54 @@ def cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
     return saved, cost
 
 
+class ScaledCut:
+    """Cheapest cuts of one problem at many weights, fast: scipy's max-flow (C) over the network
+    built once. scipy takes 32-bit integer capacities, so each weight's capacities are scaled to
+    sum to at most 2**30 and rounded down: the cut found is within a rounding per edge of the
+    cheapest (a floor-rounded flow is a flow of the real network, so it bounds the cheapest from
+    below), which is what the budget's frontier needs (its candidates are scored exactly)."""
+
+    def __init__(self, p: CutProblem):
+        edges, self.nodes = _edges(p)
+        index = {SOURCE: 0, SINK: 1}
+        for n in self.nodes:
+            index[(n, "in")], index[(n, "out")] = len(index), len(index) + 1
+        self.p, self.size = p, len(index)
+        self.u = np.array([index[u] for u, *_ in edges], dtype=np.int64)
+        self.v = np.array([index[v] for _, v, *_ in edges], dtype=np.int64)
+        self.inf = np.array([b is None and c is None for _, _, b, c in edges])
+        self.nbytes = np.array([b or 0 for _, _, b, _ in edges], dtype=np.float64)
+        self.cost = np.array([c or 0.0 for *_, c in edges], dtype=np.float64)
+        self._in = np.array([index[(n, "in")] for n in self.nodes], dtype=np.int64)
+        self._out = np.array([index[(n, "out")] for n in self.nodes], dtype=np.int64)
+        infinite = sp.csr_array((np.ones(int(self.inf.sum())), (self.u[self.inf], self.v[self.inf])),
+                                shape=(self.size, self.size))
+        self.unbounded = 1 in breadth_first_order(infinite, 0, directed=True, return_predecessors=False)
+
+    def __call__(self, lam: float) -> tuple[list[fx.Node], float] | None:
+        """(saved set, recompute cost) of a cheapest cut at weight ``lam``; None when every cut is
+        infinite."""
+        if self.unbounded:
+            return None
+        cap = self.nbytes + lam * self.cost
+        scale = 2.0 ** 30 / max(float(cap[~self.inf].sum()), 1.0)
+        ints = np.where(self.inf, 2 ** 30 + 1, np.floor(cap * scale)).astype(np.int32)  # > any finite cut
+        graph = sp.csr_array((ints, (self.u, self.v)), shape=(self.size, self.size))
+        result = maximum_flow(graph, 0, 1)
+        flow = result.flow[self.u, self.v]
+        # residual edges: forward where not full, backward where flow runs; the sink side is
+        # what still reaches the sink through them
+        rows = np.concatenate([self.u[ints > flow], self.v[flow > 0]])
+        cols = np.concatenate([self.v[ints > flow], self.u[flow > 0]])
+        residual = sp.csr_array((np.ones(len(rows)), (cols, rows)), shape=(self.size, self.size))  # reversed
+        sink_side = np.zeros(self.size, dtype=bool)
+        sink_side[breadth_first_order(residual, 1, directed=True, return_predecessors=False)] = True
+        ins, outs = sink_side[self._in], sink_side[self._out]
+        saved = [n for n, i, o in zip(self.nodes, ins, outs) if not i and o]
+        cost = sum(self.p.cost.get(n, 0.0) for n, i in zip(self.nodes, ins) if i and n in self.p.recomputable)
+        return saved, cost
+
+
 def solve(p: CutProblem, lam: float) -> list[fx.Node]:
     """The saved set (joint-graph order) of the cheapest cut at recompute weight ``lam``."""
     return cut(p, lam)[0]
@@ -100,12 +164,15 @@ def frontier(p: CutProblem, lo: float, hi: float, max_solves: int = 64) -> list[
     cheapest, most saved bytes first.
 
     Each cut's value is a line in the weight, bytes + lam * cost; the cheapest-cut value is their
-    lower envelope. Eisner and Severance's search: solve where the lines of two known cuts cross;
-    a cut strictly below both is a new breakpoint to search on either side of, otherwise the two
-    are neighbours. ``2k - 1`` solves find ``k`` cuts (at most ``max_solves`` are made).
+    lower envelope (each cut by :class:`ScaledCut`). Eisner and Severance's search: solve where
+    the lines of two known cuts cross; a cut strictly below both is a new breakpoint to search on
+    either side of, otherwise the two are neighbours. ``2k - 1`` solves find ``k`` cuts (at most
+    ``max_solves`` are made).
     """
+    fast = ScaledCut(p)
+
     def at(lam):
-        saved, cost = cut(p, lam)
+        saved, cost = fast(lam) or cut(p, lam)  # no finite cut: the exact solver names why
         return saved, saved_bytes(p, saved), cost, lam
 
     first, last = at(lo), at(hi)

@@ -17,10 +17,11 @@ from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
 from .allowlist import CHEAP, HEAVY, kind
-from .budget import predicted_peak, within_budget
+from .budget import within_budget
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, every_kth, layers
 from .mincut import CutProblem, NoPlan, solve
+from .steppeak import StepPeak
 
 log = logging.getLogger("fxmem")
 
@@ -151,8 +152,7 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     level0 = saved if options.level == 0 and plain0 else solve(
         CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then.
-    if options.level > 0 and plain0 and predicted_peak(joint, saved, sizes, options) >= predicted_peak(
-            joint, level0, sizes, options):
+    if options.level > 0 and plain0 and (peak_of := StepPeak(joint, sizes, options))(saved) >= peak_of(level0):
         notes.append(f"level {options.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
     if budgeted:
