@@ -78,42 +78,37 @@ def _units(walk: Walk, more: list[fx.Node], fewer: list[fx.Node]) -> list[tuple[
 
 def _greedy(walk: Walk, cuts: list[list[fx.Node]], p: CutProblem,
             pos: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """A greedy walk from the first cut down to the last, and every plan one unit away from it.
-    Each step applies the one unit (of any neighbouring pair of cuts, :func:`_units`) that frees
-    bytes at the least extra recompute cost per byte freed. This mixes the cuts layer by layer
-    and projection by projection (e.g. two layers' gate projections and one query projection),
-    which the cuts alone and the steps between two of them do not."""
-    units = [u for more, fewer in zip(cuts, cuts[1:]) for u in _units(walk, more, fewer)]
+    """The plans of a greedy walk from the first cut down to the last. Each step applies the
+    unit (of any neighbouring pair of cuts, :func:`_units`) that frees bytes at the least extra
+    recompute cost per byte freed, as priced once against its own pair's cut with more bytes (the
+    units are independent groups, and pricing each once keeps the walk linear in the graph: a
+    model with identical layers has the same units in every layer). This mixes the cuts layer by
+    layer and projection by projection (e.g. two layers' gate projections and one query
+    projection), which the cuts alone and the steps between two of them do not."""
     allowed = p.recomputable | walk(cuts[0])  # the level's own plan may recompute more
-
-    memo: dict[frozenset, tuple[int, float] | None] = {}
-
-    def score(saved: set[fx.Node]) -> tuple[int, float] | None:
-        key = frozenset(saved)
-        if key not in memo:
-            again = walk(saved)  # one walk of the backward per distinct plan
-            memo[key] = None if not again <= allowed else (  # None: would recompute what may not be
-                saved_bytes(p, saved), sum(p.cost.get(n, 0.0) for n in again))
-        return memo[key]
-
-    current, plans = set(cuts[0]), {}
-    nbytes, cost = score(current)
-    while True:
-        best = None
-        for drop, add in units:
-            if not drop <= current:
-                continue
-            step = (current - drop) | add
-            s = score(step)
-            if s is None or s[0] >= nbytes:
-                continue
-            plans.setdefault(frozenset(step), step)  # every one-unit step: a greedy knapsack's last item
-            rate = (s[1] - cost) / (nbytes - s[0])
-            if best is None or rate < best[0]:
-                best = (rate, step, s)
-        if best is None:
-            return [sorted(plan, key=pos.__getitem__) for plan in plans.values()]
-        _, current, (nbytes, cost) = best
+    priced = []
+    for more, fewer in zip(cuts, cuts[1:]):
+        base = _cost(walk, p, more)
+        for drop, add in _units(walk, more, fewer):
+            freed = saved_bytes(p, drop) - saved_bytes(p, add - drop)
+            if freed > 0:
+                extra = _cost(walk, p, (set(more) - drop) | add) - base
+                priced.append((extra / freed, min(pos[n] for n in drop), drop, add))
+    priced.sort(key=lambda u: (u[0], -u[1]))  # equal rates: the last layer's first
+    current, plans, todo = set(cuts[0]), [], [(drop, add) for _, _, drop, add in priced]
+    progress = True
+    while progress:  # a unit waits until the values it drops are kept (an earlier pair's unit)
+        progress = False
+        for i, (drop, add) in enumerate(todo):
+            if drop <= current:
+                step = (current - drop) | add
+                del todo[i]
+                if walk(step) <= allowed and saved_bytes(p, step) < saved_bytes(p, current):
+                    current = step
+                    plans.append(sorted(step, key=pos.__getitem__))
+                progress = True
+                break
+    return plans
 
 
 def _between(more: list[fx.Node], fewer: list[fx.Node], pos: dict[fx.Node, int],
