@@ -40,6 +40,7 @@ from .steppeak import StepPeak
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
+SIMULATED = 64  # candidates simulated, about (the frontier's cuts and layerwise plans besides)
 SLACK = 1e-4  # simulated peaks this close count as equal (a scalar, a rounding)
 
 
@@ -145,11 +146,13 @@ def _trimmed(walk: Walk, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node,
     return plans
 
 
-def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], float]]
+def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], float]], anchors: set[tuple]
             ) -> list[tuple[list[fx.Node], float, int, float]]:
     """(saved, weight, bytes, recompute cost) of the candidates that no other beats on both bytes
     and cost, most bytes first; the first candidate (the level's own plan) always. Only these are
-    simulated: a plan with more bytes and more cost than another is never worth its peak."""
+    simulated: a plan with more bytes and more cost than another is never worth its peak. On deep
+    models they are thinned to about ``SIMULATED``, evenly along the bytes, keeping ``anchors``
+    (the frontier's cuts): each simulation walks the whole graph."""
     def scored(saved, lam):
         return saved, lam, saved_bytes(p, saved), _cost(walk, p, saved)
 
@@ -158,6 +161,8 @@ def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], flo
     for c in sorted(rest, key=lambda c: (c[2], c[3])):  # fewest bytes first; stable: the first of equals
         if c[2] < first[2] and (not kept or c[3] < kept[-1][3]):
             kept.append(c)
+    every = -(-len(kept) // SIMULATED)  # ceil: 1 (all kept) up to SIMULATED candidates
+    kept = [c for i, c in enumerate(kept) if i % every == 0 or i == len(kept) - 1 or tuple(c[0]) in anchors]
     return [first] + sorted(kept, key=lambda c: -c[2])
 
 
@@ -192,7 +197,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
     candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
                    for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
-    candidates = _pareto(walk, p, candidates)
+    candidates = _pareto(walk, p, candidates, {tuple(c) for c, _ in cuts})
     known = {tuple(c[0]) for c in candidates}
     candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(walk, p, c)) for c in layerwise if tuple(c) not in known]
     scored = [(saved, lam, nbytes, peak_of(saved), cost)

@@ -20,7 +20,7 @@ from .allowlist import CHEAP, HEAVY, kind
 from .budget import within_budget
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, every_kth, layers
-from .mincut import CutProblem, NoPlan, solve
+from .mincut import CutProblem, NoPlan, ScaledCut, solve
 from .steppeak import StepPeak
 
 log = logging.getLogger("fxmem")
@@ -182,10 +182,10 @@ def _layerwise(joint: JointGraph, key: dict[fx.Node, str], fences: set[fx.Node],
         if k >= n and k > 1:
             continue
         kept = fences if k == 1 else every_kth(joint, key, fences, k)
-        try:
-            plans.append(solve(problem(frozenset((cheap | inside | fences) - kept - must_save)), TIEBREAK))
-        except NoPlan:  # a rule or tag that asks for the impossible: no such plan
-            continue
+        p = problem(frozenset((cheap | inside | fences) - kept - must_save))
+        found = ScaledCut(p)(TIEBREAK)  # a candidate: a cut within rounding of the cheapest will do
+        if found is not None:  # else no finite cut: a rule or tag that asks for the impossible
+            plans.append(found[0])
     return plans
 
 
