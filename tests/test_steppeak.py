@@ -65,7 +65,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+QUICK = {"hf_gpt2 dropout", "convnet"}  # the others take 8-15 s each: the full suite runs them
+
+
+@pytest.mark.parametrize("case", [c if c in QUICK else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_step_peak_equals_the_split_graphs_peak(case):
     make, options = CASES[case]
     rng, checked = random.Random(0), 0
