@@ -23,6 +23,21 @@ def _fresh_contiguous(val, like) -> bool:
             and val.dtype == like.dtype and val.is_contiguous() and like.is_contiguous())
 
 
+def write_candidates(n: fx.Node) -> list[tuple[fx.Node, Any]]:
+    """``(a, b)``: an argument ``n`` may write its result into and the operand beside it, in the
+    order :func:`reuse_dead_buffers` tries them, where shapes, dtypes and layouts allow (whether
+    ``a``'s storage dies at ``n`` is the graph's to say)."""
+    pairs = []
+    if n.op == "call_function" and n.target in INTO_FIRST:
+        pairs = [(n.args[0], n.args[1])]
+    elif n.op == "call_function" and n.target in INPLACE and len(n.args) == 2:
+        a, b = n.args
+        pairs = [(a, b)] + ([(b, a)] if n.target in COMMUTATIVE and not n.kwargs else [])  # x + y == y + x, bitwise
+    return [(a, b) for a, b in pairs
+            if isinstance(a, fx.Node) and _fresh_contiguous(n.meta.get("val"), a.meta.get("val"))
+            and (isinstance(b, (int, float)) or _broadcasts_to(b, a))]
+
+
 def reuse_dead_buffers(gm: fx.GraphModule) -> int:
     """Turn ``c = op(a, b)`` into ``c = op_(a, b)`` where ``a``'s storage dies at this node.
 
@@ -34,29 +49,17 @@ def reuse_dead_buffers(gm: fx.GraphModule) -> int:
     pos = {n: i for i, n in enumerate(nodes)}
     root = storage_roots(gm)
     last_use = last_reads(gm, root)
-
-    def can_write(a, others, n) -> bool:
-        r = root.get(a) if isinstance(a, fx.Node) else None
-        return (r is not None and r.op == "call_function" and last_use[r] == pos[n]
-                and _fresh_contiguous(n.meta.get("val"), a.meta.get("val"))
-                and all(isinstance(b, (int, float)) or (_broadcasts_to(b, a) and root[b] is not r) for b in others))
-
     rewritten = 0
     for n in nodes:
-        if n.op == "call_function" and n.target in INTO_FIRST and can_write(n.args[0], [n.args[1]], n):
-            n.target = INTO_FIRST[n.target]
-            rewritten += 1
-            continue
-        if n.op != "call_function" or n.target not in INPLACE or len(n.args) != 2:
-            continue
-        a, b = n.args
-        if can_write(a, [b], n):
-            n.target = INPLACE[n.target]
-        elif n.target in COMMUTATIVE and not n.kwargs and can_write(b, [a], n):  # x + y == y + x, bitwise
-            n.target, n.args = INPLACE[n.target], (b, a)
-        else:
-            continue
-        rewritten += 1
+        for a, b in write_candidates(n):
+            r = root[a]
+            if r.op == "call_function" and last_use[r] == pos[n] and not (isinstance(b, fx.Node) and root[b] is r):
+                if n.target in INTO_FIRST:
+                    n.target = INTO_FIRST[n.target]
+                else:
+                    n.target, n.args = INPLACE[n.target], (a, b)
+                rewritten += 1
+                break
     if rewritten:
         gm.recompile()
     return rewritten

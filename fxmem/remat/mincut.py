@@ -97,8 +97,14 @@ def cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
             if u not in sink_side and e["capacity"] - e["flow"] > 0:
                 sink_side.add(u)
                 todo.append(u)
-    saved = [n for n in nodes if (n, "in") not in sink_side and (n, "out") in sink_side]
-    cost = sum(p.cost.get(n, 0.0) for n in nodes if (n, "in") in sink_side and n in p.recomputable)
+    return _sides(p, nodes, [(n, "in") in sink_side for n in nodes], [(n, "out") in sink_side for n in nodes])
+
+
+def _sides(p: CutProblem, nodes: list[fx.Node], ins, outs) -> tuple[list[fx.Node], float]:
+    """(saved set, recompute cost) of a cut, from which side each node's in and out lie on (True:
+    the sink's): saved where only its out is, recomputed where its in is too."""
+    saved = [n for n, i, o in zip(nodes, ins, outs) if not i and o]
+    cost = sum(p.cost.get(n, 0.0) for n, i in zip(nodes, ins) if i and n in p.recomputable)
     return saved, cost
 
 
@@ -144,10 +150,7 @@ class ScaledCut:
         residual = sp.csr_array((np.ones(len(rows)), (cols, rows)), shape=(self.size, self.size))  # reversed
         sink_side = np.zeros(self.size, dtype=bool)
         sink_side[breadth_first_order(residual, 1, directed=True, return_predecessors=False)] = True
-        ins, outs = sink_side[self._in], sink_side[self._out]
-        saved = [n for n, i, o in zip(self.nodes, ins, outs) if not i and o]
-        cost = sum(self.p.cost.get(n, 0.0) for n, i in zip(self.nodes, ins) if i and n in self.p.recomputable)
-        return saved, cost
+        return _sides(self.p, self.nodes, sink_side[self._in], sink_side[self._out])
 
 
 def solve(p: CutProblem, lam: float) -> list[fx.Node]:

@@ -10,9 +10,9 @@ returns ``(*fwd_outputs, *saved_tensors, *saved_symints)`` and the backward take
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
@@ -58,10 +58,8 @@ def _late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) ->
 
 
 def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
-             late: set[fx.Node] = frozenset(), lazy: bool = False) -> fx.GraphModule:
-    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``. ``lazy``:
-    a module whose Python code is generated only if it is ever called (a plan's simulation reads
-    the graph only; code generation was most of the budget's time)."""
+             late: set[fx.Node] = frozenset()) -> fx.GraphModule:
+    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
@@ -75,8 +73,6 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
     out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     if descs is not None:
         out.meta["desc"] = descs
-    if lazy:
-        return _LazyGraphModule(gm, graph)
     graph.lint()
     return fx.GraphModule(gm, graph)
 
@@ -151,36 +147,46 @@ def recomputed(joint: JointGraph, saved) -> set[fx.Node]:
     return _recomputed(joint, *_walk(joint, set(saved)))
 
 
-def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], lazy: bool = False) -> Split:
-    """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
-
-    ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
-    that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
-    Raises :class:`InvalidSavedSet` if the backward would recompute a random op that does not
-    replay its generator (see ``replay``). ``lazy``: for simulation only (see :func:`_extract`).
-    """
-    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
-    saved = set(saved)
-    bad = [n.name for n in saved if n in joint.backward or n.op == "output" or is_multi_output(n)]
-    if bad:
-        raise InvalidSavedSet(f"saved set holds nodes that are backward-only or tuples: {', '.join(bad)}")
+def handoff(joint: JointGraph, saved: set[fx.Node], order: dict[fx.Node, int],
+            symbols: Callable[[fx.Node], set] | None = None, bindings: dict | None = None
+            ) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """(recomputed forward nodes, saved tensors, saved SymInts) of keeping ``saved``, each in the
+    order the split hands them over. ``symbols`` / ``bindings``: a node's free shape symbols and
+    the graph's symbol bindings, when the caller has them cached (many saved sets, one graph)."""
     seen, saved = _walk(joint, saved)
     recomputed = sorted(_recomputed(joint, seen, saved), key=order.__getitem__)
-    random = [n.name for n in recomputed if is_random(n)]
-    if random:
-        raise InvalidSavedSet(f"the backward would recompute random ops {random}: save them or replay their RNG")
     needed_saved = saved & seen
     syms = {n for n in needed_saved if is_sym(n)}
     tensors = sorted(needed_saved - syms, key=order.__getitem__)
     # Tensors stashed without a version-counter check go last (AOTAutograd's convention).
     tensors.sort(key=lambda n: bool(n.meta.get("saved_tensor_with_no_vc_check", False)))
     # Inductor needs every symbol in a backward input's shape bound by a SymInt input.
-    bindings = find_symbol_binding_fx_nodes(joint.gm.graph)
+    bindings = find_symbol_binding_fx_nodes(joint.gm.graph) if bindings is None else bindings
+    symbols = symbols or (lambda n: free_symbols(n.meta.get("val")))
     for n in [*tensors, *joint.tangents]:
-        for s in free_symbols(n.meta.get("val")):
+        for s in symbols(n):
             if s in bindings and bindings[s] not in joint.backward:
                 syms.add(bindings[s])
-    syms_sorted = sorted(syms, key=order.__getitem__)
+    return recomputed, tensors, sorted(syms, key=order.__getitem__)
+
+
+def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
+    """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
+
+    ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
+    that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
+    Raises :class:`InvalidSavedSet` if the backward would recompute a random op that does not
+    replay its generator (see ``replay``).
+    """
+    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    saved = set(saved)
+    bad = [n.name for n in saved if n in joint.backward or n.op == "output" or is_multi_output(n)]
+    if bad:
+        raise InvalidSavedSet(f"saved set holds nodes that are backward-only or tuples: {', '.join(bad)}")
+    recomputed, tensors, syms_sorted = handoff(joint, saved, order)
+    random = [n.name for n in recomputed if is_random(n)]
+    if random:
+        raise InvalidSavedSet(f"the backward would recompute random ops {random}: save them or replay their RNG")
 
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 
@@ -188,8 +194,8 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], lazy: bool = F
     n_fwd = len(joint.fwd_outputs)
     n_saved = len(tensors) + len(syms_sorted)
     fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
-                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)], lazy=lazy)
+                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)])
     bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
-                  late=set(recomputed), lazy=lazy)
+                  late=set(recomputed))
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))

@@ -16,15 +16,14 @@ import operator
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
-from ..graph.inplace import COMMUTATIVE, INPLACE, INTO_FIRST
-from ..graph.joint import JointGraph, ancestors, is_sym
+from ..graph.joint import JointGraph, ancestors
 from ..graph.liveness import _is_element, is_alias
 from ..graph.scratch import scratch_bytes
 from ..graph.sizes import SymbolicSizes, tensor_bytes
-from ..inner import _broadcasts_to, _fresh_contiguous
+from ..inner import write_candidates
 from ..options import Options
 from .replay import generator_state, wrapped_target
-from .split import _late_order, _recomputed, _walk
+from .split import _late_order, handoff
 
 
 class StepPeak:
@@ -42,7 +41,7 @@ class StepPeak:
         self._writes: dict[fx.Node, list] = {}
         self._reads = {n: n.all_input_nodes for n in joint.gm.graph.nodes}
         self._replays = {n for n in joint.gm.graph.nodes if wrapped_target(n) is not None}
-        self._symbols = {n: free_symbols(n.meta.get("val")) for n in [*joint.forward, *joint.tangents]}
+        self._symbols = {n: free_symbols(n.meta.get("val")) for n in joint.gm.graph.nodes}
 
     def _at(self, key, expr) -> int:
         if key not in self._bytes:
@@ -71,17 +70,8 @@ class StepPeak:
 
     def __call__(self, saved) -> int:
         joint = self.joint
-        seen, kept = _walk(joint, set(saved))
-        recomputed = _recomputed(joint, seen, kept)
-        needed = kept & seen
-        syms = {n for n in needed if is_sym(n)}
-        tensors = sorted(needed - syms, key=self.pos.__getitem__)
-        tensors.sort(key=lambda n: bool(n.meta.get("saved_tensor_with_no_vc_check", False)))
-        for n in [*tensors, *joint.tangents]:
-            for s in self._symbols.get(n, ()):
-                if s in self.bindings and self.bindings[s] not in joint.backward:
-                    syms.add(self.bindings[s])
-        syms_sorted = sorted(syms, key=self.pos.__getitem__)
+        recomputed, tensors, syms_sorted = handoff(joint, set(saved), self.pos, self._symbols.__getitem__,
+                                                   self.bindings)
         primals = list(joint.primals)
         fw_out = [*joint.fwd_outputs, *tensors, *syms_sorted]
         fw_body = sorted(ancestors(fw_out, stop=set(primals)) - set(primals), key=self.pos.__getitem__)
@@ -92,7 +82,7 @@ class StepPeak:
         fw = self._peak(primals, set(), fw_body, fw_out, saved_states)
         bw_in = [*syms_sorted, *tensors, *joint.tangents]
         stop = set(bw_in)
-        bw_body = _late_order(joint.gm, ancestors(list(joint.bwd_outputs), stop=stop) - stop, recomputed)
+        bw_body = _late_order(joint.gm, ancestors(list(joint.bwd_outputs), stop=stop) - stop, set(recomputed))
         counted = {n for n in bw_in if n.name not in self.names}
         return max(fw, self._peak(bw_in, counted, bw_body, list(joint.bwd_outputs), set()))
 
@@ -155,27 +145,14 @@ class StepPeak:
                 total -= b
         return best
 
-    def _candidates(self, n: fx.Node) -> list[tuple[fx.Node, object]]:
-        """``(a, b)``: ``n`` may write into ``a`` (its other operand ``b``) as far as shapes, dtypes
-        and layouts go, in ``reuse_dead_buffers``' order of trying."""
-        if n not in self._writes:
-            pairs = []
-            if n.op == "call_function" and n.target in INTO_FIRST:
-                pairs = [(n.args[0], n.args[1])]
-            elif n.op == "call_function" and n.target in INPLACE and len(n.args) == 2:
-                a, b = n.args
-                pairs = [(a, b)] + ([(b, a)] if n.target in COMMUTATIVE and not n.kwargs else [])
-            self._writes[n] = [(a, b) for a, b in pairs if isinstance(a, fx.Node)
-                               and _fresh_contiguous(n.meta.get("val"), a.meta.get("val"))
-                               and (isinstance(b, (int, float)) or _broadcasts_to(b, a))]
-        return self._writes[n]
-
     def _reused(self, body: list, root: dict, last: dict, pos: dict, ran: set) -> dict:
         """``inner.reuse_dead_buffers``' rewrites: node -> the argument it now writes into (whose
         storage this graph allocated, ``ran``, and dies here)."""
         written = {}
         for n in body:
-            for a, b in self._candidates(n):
+            if n not in self._writes:
+                self._writes[n] = write_candidates(n)
+            for a, b in self._writes[n]:
                 r = root[a]
                 if (r in ran and r.op == "call_function" and last.get(r) == pos[n]
                         and not (isinstance(b, fx.Node) and root[b] is r)):
