@@ -47,6 +47,24 @@ def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
+def elements(n: fx.Node, among=None) -> list[fx.Node]:
+    """The getitems taking outputs of ``n``, an op returning several (in ``among`` when given),
+    one per output: they own their storage, allocated when ``n`` runs (with its inputs still
+    alive), not when the getitem does."""
+    if not isinstance(n.meta.get("val"), (tuple, list)) or is_alias(n):
+        return []
+    first = {}
+    for u in n.users:
+        if u.target is operator.getitem and (among is None or u in among):
+            first.setdefault(u.args[1], u)
+    return list(first.values())
+
+
+def _taken_early(n: fx.Node) -> bool:
+    """A getitem among ``elements`` of its op (allocated there)."""
+    return _is_element(n) and not is_alias(n.args[0])
+
+
 def _allocated(n: fx.Node, sizes: SymbolicSizes) -> sympy.Expr:
     """Bytes ``n`` allocates; of a tuple, the outputs no getitem takes (the others are their own)."""
     val = n.meta.get("val")
@@ -79,9 +97,12 @@ def schedule(gm: fx.GraphModule, sizes: SymbolicSizes,
     events: list[Event] = []
     live: dict[fx.Node, sympy.Expr] = {}
     for i, n in enumerate(nodes):
-        if (n.op == "placeholder" and counted(n)) or (n.op == "call_function" and root[n] is n):
+        if (n.op == "placeholder" and counted(n)) or (n.op == "call_function" and root[n] is n and not _taken_early(n)):
             live[n] = _allocated(n, sizes)
             events.append(("alloc", n.name, live[n]))
+            for u in elements(n) if n.op == "call_function" else ():
+                live[u] = sizes.nbytes(u)
+                events.append(("alloc", u.name, live[u]))
         extra = scratch_bytes(n) if n.op == "call_function" else 0
         if extra != 0:  # the op's own buffers, freed before it returns
             events += [("alloc", f"{n.name}.scratch", extra), ("free", f"{n.name}.scratch", extra)]

@@ -1,44 +1,106 @@
 """Bytes an op allocates and frees inside itself, invisible as graph values, where known.
 
-Liveness adds them as a transient allocation at the op, on top of what is alive there. Known:
-fxmem's fused linear cross-entropy, which keeps a chunk of logits in flight (its workspace).
-Unknown, so not counted: ATen kernels' internal buffers (e.g. the CPU attention kernel's blocks).
+Liveness adds them as a transient allocation at the op, on top of what is alive there (its
+inputs and its outputs). Known:
+
+- fxmem's fused linear cross-entropy, which keeps a chunk of logits in flight (its workspace);
+- ATen's CPU kernels that build a full-size temporary, measured with the profiler's allocator
+  events (``tests/test_scratch.py`` measures each again): ``native_dropout`` draws a float mask
+  the size of its input before casting it to bool, ``native_dropout_backward`` multiplies by the
+  mask into a temporary, ``native_batch_norm_backward`` centres its input, ``_safe_softmax``
+  builds a bool mask of the -inf entries;
+- the random-op replay wrappers: their op's temporaries, and ``run_with_rng_state`` a copy of
+  the generator's state (to restore it after drawing).
+
+Not counted (small or algorithm-dependent): the CPU attention kernel's blocks, the convolutions'
+reorder buffers (oneDNN picks the layout per shape), CUDA kernels' workspaces.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import sympy
+import torch
 import torch.fx as fx
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from .sizes import dim_expr
+from .sizes import dim_expr, tensor_bytes
+
+aten = torch.ops.aten
+ZERO = sympy.Integer(0)
 
 
-def _arguments(node: fx.Node) -> dict[str, Any]:
-    schema = node.target._schema
-    return {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+def _val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _arguments(target, args: Sequence, kwargs: dict) -> dict[str, Any]:
+    schema = target._schema
+    return {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
             for i, a in enumerate(schema.arguments)}
 
 
-def _linear_cross_entropy(node: fx.Node) -> sympy.Expr:
+def _linear_cross_entropy(target, args, kwargs, out) -> sympy.Expr:
     from fxmem_kernels._common import use_triton
     from fxmem_kernels.linear_cross_entropy import row_bytes
 
-    a = _arguments(node)
-    h, w, t = (a[k].meta["val"] for k in ("hidden", "weight", "target"))
+    a = _arguments(target, args, kwargs)
+    h, w, t = (_val(a[k]) for k in ("hidden", "weight", "target"))
     triton_path = h.is_cuda and use_triton(a["impl"], h)  # the path the kernel will take
     row = row_bytes(int(w.shape[0]), h.dtype, a["softcap"], triton_path)
     rows = sympy.Mul(*[dim_expr(d) for d in t.shape], sympy.Integer(1))
     return sympy.Min(rows, max(1, a["workspace_bytes"] // row)) * row
 
 
-_SCRATCH: dict[str, Callable[[fx.Node], sympy.Expr]] = {
+def _cpu(f: Callable[[Any], sympy.Expr], arg: int = 0) -> Callable:
+    """A temporary of the CPU kernel only, sized from the tensor argument ``arg``."""
+    def scratch(target, args, kwargs, out):
+        v = _val(args[arg]) if len(args) > arg else None
+        return f(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else ZERO
+    return scratch
+
+
+def _numel(v: torch.Tensor) -> sympy.Expr:
+    return sympy.Mul(*[dim_expr(d) for d in v.shape], sympy.Integer(1))
+
+
+def _dropout(target, args, kwargs, out) -> sympy.Expr:
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    return _cpu(tensor_bytes)(target, args, kwargs, out) if train is not False else ZERO
+
+
+def _safe_softmax_mask(v: torch.Tensor) -> sympy.Expr:  # bool per entry, then per row
+    return _numel(v) + _numel(v) / dim_expr(v.shape[-1]) if v.dim() else sympy.Integer(2)
+
+
+def _run_with_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (state, op, *args)
+    return tensor_bytes(_val(args[0])) + op_scratch(args[1], args[2:], kwargs, out)
+
+
+def _run_and_save_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (op, *args) -> (state, out)
+    return op_scratch(args[0], args[1:], kwargs, out[1] if isinstance(out, (tuple, list)) else None)
+
+
+_SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     "fxmem::linear_cross_entropy": _linear_cross_entropy,
     "fxmem::linear_cross_entropy_backward": _linear_cross_entropy,
+    aten.native_dropout.default: _dropout,
+    aten.native_dropout_backward.default: _cpu(tensor_bytes),
+    aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),
+    aten._safe_softmax.default: _cpu(_safe_softmax_mask),
+    run_with_rng_state: _run_with_rng_state,
+    run_and_save_rng_state: _run_and_save_rng_state,
 }
 
 
+def op_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
+    """Temporary bytes of ``target`` called on ``args`` (graph nodes or values) returning ``out``."""
+    f = _SCRATCH.get(target)
+    if f is None:
+        f = _SCRATCH.get(getattr(getattr(target, "overloadpacket", None), "_qualified_op_name", None))
+    return f(target, args, kwargs, out) if f is not None else ZERO
+
+
 def scratch_bytes(node: fx.Node) -> sympy.Expr:
-    name = getattr(getattr(node.target, "overloadpacket", None), "_qualified_op_name", None)
-    return _SCRATCH[name](node) if name in _SCRATCH else sympy.Integer(0)
+    return op_scratch(node.target, node.args, node.kwargs, node.meta.get("val"))

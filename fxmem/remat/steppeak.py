@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors
-from ..graph.liveness import _is_element, is_alias
+from ..graph.liveness import _is_element, _taken_early, elements, is_alias
 from ..graph.scratch import scratch_bytes
 from ..graph.sizes import SymbolicSizes, tensor_bytes
 from ..inner import write_candidates
@@ -134,11 +134,12 @@ class StepPeak:
                 total += state
                 best = max(best, total)
                 frees.setdefault(end, []).append(state)
-            if n.op == "call_function" and root[n] is n:
-                b = self._nbytes(n, ran)
-                total += b
-                best = max(best, total)
-                frees.setdefault(last.get(n, p), []).append(b)
+            if n.op == "call_function" and root[n] is n and not _taken_early(n):
+                for m in [n, *elements(n, ran)]:  # a tuple's outputs all at once
+                    b = self._nbytes(m, ran)
+                    total += b
+                    best = max(best, total)
+                    frees.setdefault(last.get(m, p), []).append(b)
             if n.op == "call_function":
                 best = max(best, total + self._scratch(n))
             for b in frees.pop(p, ()):

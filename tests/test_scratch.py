@@ -1,0 +1,86 @@
+"""The temporaries liveness counts inside ops (``fxmem.graph.scratch``), against the allocator's
+events of the CPU kernels, and the allocation of an op's several outputs at the op."""
+
+import pytest
+import torch
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxmem.graph.liveness import simulate
+from fxmem.graph.scratch import op_scratch
+from fxmem.graph.sizes import SymbolicSizes
+from fxmem.profiling import step_perf
+
+aten = torch.ops.aten
+
+
+def _nbytes(t):
+    return t.untyped_storage().nbytes()
+
+
+def measured(f, *args):
+    """Bytes ``f(*args)`` allocated at its peak beyond the fresh tensors it returns."""
+    with step_perf("cpu") as perf:
+        out = f(*args)
+    ins = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) for o in (o if isinstance(o, tuple) else [o])]
+    fresh = sum(_nbytes(o) for o in outs if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins)
+    return perf.result.peak_bytes - fresh, out
+
+
+def _bn_backward_args(x):
+    c = x.shape[1]
+    w, rm, rv = torch.randn(c), torch.zeros(c), torch.ones(c)
+    _, mean, rstd, *_ = aten._native_batch_norm_legit_functional.default(x, w, w, rm, rv, True, 0.1, 1e-5)
+    return (x, x, w, rm, rv, mean, rstd, True, 1e-5, [True, True, True])
+
+
+CASES = {
+    "native_dropout": (aten.native_dropout.default, lambda x: (x, 0.1, True)),
+    "native_dropout_backward": (aten.native_dropout_backward.default, lambda x: (x, torch.rand(x.shape) > 0.1, 1.1)),
+    "native_batch_norm_backward": (aten.native_batch_norm_backward.default, _bn_backward_args),
+    "_safe_softmax": (aten._safe_softmax.default, lambda x: (x, -1)),
+}
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 6, 5), (4, 16, 32, 32)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_kernel_temporaries_match_the_allocator(case, shape):
+    op, make = CASES[case]
+    args = make(torch.randn(shape))
+    got, out = measured(op, *args)
+    predicted = int(op_scratch(op, args, {}, out))
+    assert got > 0 and abs(predicted - got) <= 16 + 0.01 * got, (case, shape, predicted, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_wrappers_add_their_own_temporaries(dtype):
+    x = torch.randn(4, 64, 32).to(dtype)
+    got, out = measured(lambda x: run_and_save_rng_state(aten.native_dropout.default, x, 0.1, True), x)
+    assert int(op_scratch(run_and_save_rng_state, (aten.native_dropout.default, x, 0.1, True), {}, out)) == got
+    state = torch.get_rng_state()
+    got, out = measured(lambda s, x: run_with_rng_state(s, aten.native_dropout.default, x, 0.1, True), state, x)
+    assert int(op_scratch(run_with_rng_state, (state, aten.native_dropout.default, x, 0.1, True), {}, out)) == got
+
+
+def test_no_temporary_without_training_or_off_cpu():
+    x = torch.randn(4, 8, device="meta")
+    assert op_scratch(aten.native_dropout.default, (x, 0.1, True), {}, None) == 0
+    assert op_scratch(aten.native_dropout.default, (torch.randn(4, 8), 0.1, False), {}, None) == 0
+    assert op_scratch(aten.mm.default, (torch.randn(4, 8), torch.randn(8, 2)), {}, None) == 0
+
+
+def test_an_op_returning_several_outputs_allocates_them_all_while_its_inputs_live():
+    def f(x):
+        y = torch.exp(x)  # dies at the layer norm, which allocates out, mean and rstd beside it
+        out, mean, rstd = aten.native_layer_norm.default(y, [64], None, None, 1e-5)
+        return out, mean, rstd
+
+    x = torch.randn(8, 64)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    live = simulate(gm, SymbolicSizes(), inputs_freed=False)
+    n = 8 * 64 * 4
+    assert live.peak == n + n + n + 2 * 8 * 4 and live.peak_at.startswith("getitem")  # x, y, out, mean, rstd
+    with step_perf("cpu") as perf:
+        gm(x)
+    assert abs(perf.result.peak_bytes - (live.peak - n)) <= 16  # x exists before the call
