@@ -84,3 +84,38 @@ def test_an_op_returning_several_outputs_allocates_them_all_while_its_inputs_liv
     with step_perf("cpu") as perf:
         gm(x)
     assert abs(perf.result.peak_bytes - (live.peak - n)) <= 16  # x exists before the call
+
+
+CONVS = [  # (input, weight, stride, padding): oneDNN's reorders differ with each
+    ((2, 3, 16, 16), (8, 3, 3, 3), 1, 1),
+    ((2, 16, 16, 16), (8, 16, 1, 1), 2, 0),
+    ((1, 16, 8, 8), (32, 16, 3, 3), 1, 1),
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding", CONVS)
+def test_convolution_temporaries_are_measured_once_per_configuration(x_shape, w_shape, stride, padding,
+                                                                     tmp_path, monkeypatch):
+    import fxmem.graph.measured as measured_mod
+
+    monkeypatch.setenv("FXMEM_CACHE", str(tmp_path))
+    measured_mod.known.cache_clear()
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    fwd = (x, w, None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0], 1)
+    out = aten.convolution.default(*fwd)
+    bwd = (torch.randn_like(out), x, w, None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0], 1,
+           [True, True, False])
+    with step_perf("cpu"):  # a profiler running in the caller: the child process measures
+        predicted = [int(op_scratch(aten.convolution.default, fwd, {}, None)),
+                     int(op_scratch(aten.convolution_backward.default, bwd, {}, None))]
+    for op, args, p in zip((aten.convolution.default, aten.convolution_backward.default), (fwd, bwd), predicted):
+        op(*args)  # oneDNN's primitive cache warm, as in the child
+        got, _ = measured(op, *args)
+        assert p == got, (op, p, got)
+    assert (tmp_path / "scratch.json").exists() and len(measured_mod.known()) == 2
+    measured_mod.known.cache_clear()  # a new process reads the disk cache
+    assert int(op_scratch(aten.convolution.default, fwd, {}, None)) == predicted[0]
+    assert len(measured_mod.known()) == 2
+    monkeypatch.setenv("FXMEM_MEASURE_SCRATCH", "0")
+    assert op_scratch(aten.convolution.default, fwd, {}, None) == 0
+    measured_mod.known.cache_clear()  # the next test reads the real cache again

@@ -10,10 +10,11 @@ inputs and its outputs). Known:
   mask into a temporary, ``native_batch_norm_backward`` centres its input, ``_safe_softmax``
   builds a bool mask of the -inf entries;
 - the random-op replay wrappers: their op's temporaries, and ``run_with_rng_state`` a copy of
-  the generator's state (to restore it after drawing).
+  the generator's state (to restore it after drawing);
+- CPU convolutions, forward and backward: measured per configuration (:mod:`.measured`; oneDNN
+  picks a layout per shape, and its reorder buffers follow no formula).
 
-Not counted (small or algorithm-dependent): the CPU attention kernel's blocks, the convolutions'
-reorder buffers (oneDNN picks the layout per shape), CUDA kernels' workspaces.
+Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
+from .measured import MEASURED, measured_scratch
 from .sizes import dim_expr, tensor_bytes
 
 aten = torch.ops.aten
@@ -91,6 +93,7 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
     run_with_rng_state: _run_with_rng_state,
     run_and_save_rng_state: _run_and_save_rng_state,
+    **{op: measured_scratch for op in MEASURED},
 }
 
 

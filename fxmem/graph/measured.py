@@ -1,0 +1,123 @@
+"""Temporaries of CPU kernels whose buffers depend on the algorithm the library picks (oneDNN's
+convolutions), measured once per configuration on this machine.
+
+oneDNN picks a layout per shape and reorders into it: a convolution's temporaries range from
+nothing (1x1) to several times its output, with no formula that holds across shapes. So they are
+measured: the op at the plan shape on random data, in a fresh Python process (the allocator's
+events come from the profiler, and the caller may be profiling already), every configuration of a
+graph in one run, cached in memory and on disk (``$FXMEM_CACHE``, default ``~/.cache/fxmem``),
+keyed by torch's version and the thread count. A dynamic batch scales the measurement linearly
+(reorder buffers are per example). ``FXMEM_MEASURE_SCRATCH=0`` turns it off (counted as 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .sizes import dim_expr
+
+log = logging.getLogger("fxmem")
+aten = torch.ops.aten
+MEASURED = {aten.convolution.default, aten.convolution_backward.default}
+_CHILD = Path(__file__).with_name("_measure_child.py")
+
+
+def _hint(d) -> int:
+    if isinstance(d, torch.SymInt):
+        return int(d.node.hint if d.node.hint is not None else d.node.shape_env.size_hint(d.node.expr))
+    return int(d)
+
+
+def _val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _spec(a: Any) -> Any:
+    """An argument as JSON: a tensor as its shape and dtype at the plan shape."""
+    a = _val(a)
+    if isinstance(a, torch.Tensor):
+        return {"shape": [_hint(d) for d in a.shape], "dtype": str(a.dtype).removeprefix("torch.")}
+    if isinstance(a, (list, tuple)):
+        return [_spec(x) for x in a]
+    if isinstance(a, torch.SymInt):
+        return _hint(a)
+    return a
+
+
+def _config(target, args: Sequence) -> tuple[str, Any] | None:
+    """(cache key, JSON config) of a call on CPU tensors, else None."""
+    first = _val(args[0]) if args else None
+    if not (isinstance(first, torch.Tensor) and first.device.type == "cpu"):
+        return None
+    config = {"op": target._schema.name.split("::")[1], "overload": target._overloadname,
+              "args": [_spec(a) for a in args]}
+    key = json.dumps([torch.__version__, torch.get_num_threads(), config], sort_keys=True)
+    return key, config
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("FXMEM_CACHE") or Path.home() / ".cache" / "fxmem") / "scratch.json"
+
+
+@functools.cache
+def known() -> dict[str, int]:
+    """The measurements of this process: the disk cache's, then what it measures (a cache of
+    machine facts, not of compile results: the same for every compile)."""
+    try:
+        return dict(json.loads(_cache_file().read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _measure(configs: dict[str, Any]) -> None:
+    """Measure ``configs`` (key -> config) in one child process; store what comes back."""
+    log.info("fxmem: measuring the CPU temporaries of %d kernel configuration(s)", len(configs))
+    payload = json.dumps({"threads": torch.get_num_threads(), "configs": list(configs.values())})
+    try:
+        done = subprocess.run([sys.executable, str(_CHILD)], input=payload, capture_output=True, text=True,
+                              timeout=600, check=True)
+        results = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        log.warning("fxmem: could not measure kernel temporaries (%s); counting them as 0", e)
+        results = [0] * len(configs)
+    known().update(zip(configs, results))
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known()))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
+    """Temporary bytes of a :data:`MEASURED` op on CPU, measured (and, for a call in a graph,
+    every other such call of that graph with it)."""
+    if os.environ.get("FXMEM_MEASURE_SCRATCH", "1") == "0" or kwargs:
+        return sympy.Integer(0)
+    found = _config(target, args)
+    if found is None:
+        return sympy.Integer(0)
+    key, _ = found
+    if key not in known():
+        graph = next((a.graph for a in args if isinstance(a, fx.Node)), None)
+        calls = [(n.target, n.args) for n in graph.nodes if n.target in MEASURED] if graph else [(target, args)]
+        todo = dict(c for c in (_config(t, a) for t, a in calls) if c is not None and c[0] not in known())
+        _measure({key: found[1], **todo})
+    bytes_ = sympy.Integer(known()[key])
+    batch = _val(args[0]).shape[0] if _val(args[0]).dim() else 1
+    if isinstance(batch, torch.SymInt) and _hint(batch) > 0:  # per example
+        return bytes_ * dim_expr(batch) / _hint(batch)
+    return bytes_
