@@ -119,3 +119,19 @@ def test_convolution_temporaries_are_measured_once_per_configuration(x_shape, w_
     monkeypatch.setenv("FXMEM_MEASURE_SCRATCH", "0")
     assert op_scratch(aten.convolution.default, fwd, {}, None) == 0
     measured_mod.known.cache_clear()  # the next test reads the real cache again
+
+
+@pytest.mark.parametrize("rows,vocab,workspace", [(4, 16, 1 << 20), (256, 1000, 1 << 22), (512, 1000, 64000),
+                                                  (2048, 100, 40000)])
+def test_fused_loss_workspace_and_row_vectors_match_the_allocator(rows, vocab, workspace):
+    import fxmem_kernels  # noqa: F401  (registers fxmem::linear_cross_entropy)
+
+    fwd, bwd = torch.ops.fxmem.linear_cross_entropy.default, torch.ops.fxmem.linear_cross_entropy_backward.default
+    x, w, t = torch.randn(rows, 8), torch.randn(vocab, 8), torch.randint(0, vocab, (rows,))
+    for grads in (False, True):
+        kw = dict(grad_hidden=grads, grad_weight=grads, workspace_bytes=workspace)
+        got, out = measured(lambda *a: fwd(*a, **kw), x, w, None, t)
+        assert int(op_scratch(fwd, (x, w, None, t), kw, out)) == got, (grads, got)
+    kw = dict(workspace_bytes=workspace)
+    got, out2 = measured(lambda *a: bwd(*a, **kw), torch.ones(rows), x, w, None, t, out[1])
+    assert int(op_scratch(bwd, (torch.ones(rows), x, w, None, t, out[1]), kw, out2)) == got

@@ -48,11 +48,27 @@ def _linear_cross_entropy(target, args, kwargs, out) -> sympy.Expr:
     from fxmem_kernels.linear_cross_entropy import row_bytes
 
     a = _arguments(target, args, kwargs)
+    target = target._schema.name
     h, w, t = (_val(a[k]) for k in ("hidden", "weight", "target"))
     triton_path = h.is_cuda and use_triton(a["impl"], h)  # the path the kernel will take
     row = row_bytes(int(w.shape[0]), h.dtype, a["softcap"], triton_path)
     rows = sympy.Mul(*[dim_expr(d) for d in t.shape], sympy.Integer(1))
-    return sympy.Min(rows, max(1, a["workspace_bytes"] // row)) * row
+    cap = max(1, a["workspace_bytes"] // row)
+    chunk = sympy.Min(rows, cap)
+    if triton_path:
+        return chunk * row
+    # The PyTorch path's per-row vectors (targets, picked logits, maxima, lse, loss; measured
+    # with int64 targets and default options): per chunk row, per row of the whole batch, and
+    # per row again once the batch takes several chunks (the chunks' losses are gathered).
+    backward = target == "fxmem::linear_cross_entropy_backward"
+    if backward:
+        per_chunk, per_row, fixed = 17, 0, 12
+    elif a["reduction"] != "none" and (a["grad_hidden"] or a["grad_weight"] or a["grad_bias"]):
+        per_chunk, per_row, fixed = 41, 5, 12
+    else:
+        per_chunk, per_row, fixed = 37, 1, 4
+    gathered = 0 if backward else sympy.Piecewise((8 * rows, sympy.StrictGreaterThan(rows, cap)), (0, True))
+    return chunk * (row + per_chunk) + per_row * rows + gathered + fixed
 
 
 def _cpu(f: Callable[[Any], sympy.Expr], arg: int = 0) -> Callable:
