@@ -47,15 +47,15 @@ def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return root
 
 
-def elements(n: fx.Node, among=None) -> list[fx.Node]:
-    """The getitems taking outputs of ``n``, an op returning several (in ``among`` when given),
-    one per output: they own their storage, allocated when ``n`` runs (with its inputs still
-    alive), not when the getitem does."""
+def elements(n: fx.Node) -> list[fx.Node]:
+    """The getitems taking outputs of ``n``, an op returning several, one per output: they own
+    their storage, allocated when ``n`` runs (with its inputs still alive), not when the getitem
+    does."""
     if not isinstance(n.meta.get("val"), (tuple, list)) or is_alias(n):
         return []
     first = {}
     for u in n.users:
-        if u.target is operator.getitem and (among is None or u in among):
+        if u.target is operator.getitem:
             first.setdefault(u.args[1], u)
     return list(first.values())
 

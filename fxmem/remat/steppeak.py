@@ -42,6 +42,9 @@ class StepPeak:
         self._reads = {n: n.all_input_nodes for n in joint.gm.graph.nodes}
         self._replays = {n for n in joint.gm.graph.nodes if wrapped_target(n) is not None}
         self._symbols = {n: free_symbols(n.meta.get("val")) for n in joint.gm.graph.nodes}
+        self._early = {n for n in joint.gm.graph.nodes if _taken_early(n)}  # allocated by their op
+        self._getitems = {n: [u for u in n.users if u.target is operator.getitem]  # of an op's outputs
+                          for n in joint.gm.graph.nodes if elements(n)}
 
     def _at(self, key, expr) -> int:
         if key not in self._bytes:
@@ -134,8 +137,9 @@ class StepPeak:
                 total += state
                 best = max(best, total)
                 frees.setdefault(end, []).append(state)
-            if n.op == "call_function" and root[n] is n and not _taken_early(n):
-                for m in [n, *elements(n, ran)]:  # a tuple's outputs all at once
+            if n.op == "call_function" and root[n] is n and n not in self._early:
+                taken = {u.args[1]: u for u in reversed(self._getitems.get(n, ())) if u in ran}  # first per output
+                for m in [n, *taken.values()]:  # a tuple's outputs at once
                     b = self._nbytes(m, ran)
                     total += b
                     best = max(best, total)
