@@ -135,3 +135,28 @@ def test_fused_loss_workspace_and_row_vectors_match_the_allocator(rows, vocab, w
     kw = dict(workspace_bytes=workspace)
     got, out2 = measured(lambda *a: bwd(*a, **kw), torch.ones(rows), x, w, None, t, out[1])
     assert int(op_scratch(bwd, (torch.ones(rows), x, w, None, t, out[1]), kw, out2)) == got
+
+
+def _kernel_calls(x):
+    import fxmem_kernels  # noqa: F401  (registers the fxmem ops)
+
+    f = torch.ops.fxmem
+    d = x.shape[-1]
+    w, b = torch.randn(d, dtype=x.dtype), torch.randn(d, dtype=x.dtype)
+    _, mean, rstd = f.layer_norm.default(x, w, b)
+    _, r = f.rms_norm.default(x, w)
+    return [(f.bias_gelu.default, (x, b)), (f.bias_gelu.default, (x, None)),
+            (f.bias_gelu_backward.default, (x, x, b)), (f.bias_gelu_backward.default, (x, x, None)),
+            (f.layer_norm.default, (x, w, b)), (f.layer_norm_backward.default, (x, x, w, b, mean, rstd)),
+            (f.rms_norm.default, (x, w)), (f.rms_norm_backward.default, (x, x, w, r))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 16, 32), (2, 64, 128)])
+def test_fxmem_kernels_portable_path_temporaries_match_the_allocator(shape, dtype):
+    """Exact in the terms that grow with the input; within a few weight-sized buffers (ATen's
+    layer-norm backward keeps per-thread partial sums of the weight's gradient)."""
+    for op, args in _kernel_calls(torch.randn(shape).to(dtype)):
+        got, out = measured(op, *args)
+        predicted = int(op_scratch(op, args, {}, out))
+        assert abs(predicted - got) <= 16 + 32 * shape[-1], (op, dtype, predicted, got)

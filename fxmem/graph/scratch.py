@@ -3,7 +3,8 @@
 Liveness adds them as a transient allocation at the op, on top of what is alive there (its
 inputs and its outputs). Known:
 
-- fxmem's fused linear cross-entropy, which keeps a chunk of logits in flight (its workspace);
+- fxmem's fused linear cross-entropy, which keeps a chunk of logits in flight (its workspace),
+  and its other kernels' PyTorch paths (fp32 casts, ``x + bias``, per-row sums);
 - ATen's CPU kernels that build a full-size temporary, measured with the profiler's allocator
   events (``tests/test_scratch.py`` measures each again): ``native_dropout`` draws a float mask
   the size of its input before casting it to bool, ``native_dropout_backward`` multiplies by the
@@ -100,6 +101,37 @@ def _run_and_save_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (op, *a
     return op_scratch(args[0], args[1:], kwargs, out[1] if isinstance(out, (tuple, list)) else None)
 
 
+def _fxmem_cpu(f: Callable[..., sympy.Expr]) -> Callable:
+    """A temporary of an fxmem kernel's PyTorch path (CPU): ``f(n, d, rows, low, a)`` with ``n``
+    the elements of its input ``x``, ``d`` its last dim, ``rows`` = n / d, ``low`` whether it is
+    below fp32 (the path computes in fp32) and ``a`` the arguments by name."""
+    def scratch(target, args, kwargs, out):
+        from fxmem_kernels._common import use_triton
+
+        a = _arguments(target, args, kwargs)
+        x = _val(a["x"])
+        if not (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim()) or use_triton(a["impl"], x):
+            return ZERO
+        n, d = _numel(x), dim_expr(x.shape[-1])
+        return sympy.sympify(f(n, d, n / d, x.dtype != torch.float32, a))
+    return scratch
+
+
+def _has(a: dict, name: str) -> int:
+    return int(a.get(name) is not None)
+
+
+# Measured on CPU in fp32 and bf16 (tests/test_scratch.py): the fp32 casts of low-precision
+# inputs, ``x + bias`` before the GELU derivative, fp32 copies of a norm's weight, per-row sums.
+_FXMEM_KERNELS = {
+    "fxmem::bias_gelu": lambda n, d, rows, low, a: (6 * n + 4 * d * _has(a, "bias")) if low else 0,
+    "fxmem::bias_gelu_backward": lambda n, d, rows, low, a: 10 * n if low else 4 * n * _has(a, "bias"),
+    "fxmem::layer_norm": lambda n, d, rows, low, a: 8 * d if low else 0,
+    "fxmem::layer_norm_backward": lambda n, d, rows, low, a: 16 * d if low else 8 * d,
+    "fxmem::rms_norm": lambda n, d, rows, low, a: 10 * n if low else 4 * n + 4 * d + 12,
+    "fxmem::rms_norm_backward": lambda n, d, rows, low, a: 18 * n + 6 * d if low else 4 * n + 4 * d + 8 * rows,
+}
+
 _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     "fxmem::linear_cross_entropy": _linear_cross_entropy,
     "fxmem::linear_cross_entropy_backward": _linear_cross_entropy,
@@ -110,6 +142,7 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     run_with_rng_state: _run_with_rng_state,
     run_and_save_rng_state: _run_and_save_rng_state,
     **{op: measured_scratch for op in MEASURED},
+    **{name: _fxmem_cpu(f) for name, f in _FXMEM_KERNELS.items()},
 }
 
 
