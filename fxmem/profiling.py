@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -116,6 +117,7 @@ class StepPerf:
         self._active = False
         self._prof = None
         self._marks: list[tuple[str, float, Optional[int], Optional[int]]] = []
+        self._gc_was_enabled = True
 
     # -- CUDA helpers ------------------------------------------------------------------------
     def _cuda_sync(self) -> None:
@@ -132,6 +134,12 @@ class StepPerf:
                 # Two profilers cannot run at once; say so rather than fail inside torch.
                 raise RuntimeError("fxmem.profiling: a torch profiler is already running; "
                                    "use step_perf(..., memory=False) inside it")
+            # Collect earlier garbage now and not during the step: a cycle of an earlier
+            # compile's tensors freed mid-step shows as a negative event (allocated before the
+            # profiler started) and hides that much of the step's peak.
+            gc.collect()
+            self._gc_was_enabled = gc.isenabled()
+            gc.disable()
             self._prof = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU],
                 profile_memory=True,
@@ -176,6 +184,8 @@ class StepPerf:
         if prof is not None:
             with _quiet_stderr():
                 prof.__exit__(exc_type, exc, tb)
+            if self._gc_was_enabled:
+                gc.enable()
         if exc_type is not None:
             return False
 

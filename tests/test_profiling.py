@@ -225,3 +225,20 @@ def test_cuda_peak_and_marks():
     assert [(m.live_bytes, m.peak_bytes) for m in r.marks] == [(1 << 20, 1 << 20), (0, 1 << 20)]
     assert set(get_memory_stats(dev)) == {"allocated_bytes", "reserved_bytes", "max_allocated_bytes"}
     reset_peak_memory(dev)
+
+
+def test_garbage_from_before_the_step_is_not_freed_inside_it():
+    """A cycle of tensors left by an earlier measured step, freed by the cyclic collector
+    mid-step, would show as a negative allocation and hide the step's own peak."""
+    import gc
+
+    with step_perf("cpu"):  # allocated under a profiler: its free is reported in the next
+        cycle = [torch.ones(2**18)]  # 1 MiB
+    cycle.append(cycle)
+    del cycle
+    with step_perf("cpu") as perf:
+        kept = [[] for _ in range(20000)]  # objects enough to trigger the collector
+        x = torch.ones(2**16)  # 256 KiB
+    del x, kept
+    assert perf.result.peak_bytes == 2**18
+    assert gc.isenabled()
