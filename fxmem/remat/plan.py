@@ -151,8 +151,11 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     plain0 = not (options.config or budgeted or must_save or must_recompute)
     level0 = saved if options.level == 0 and plain0 else solve(
         CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
-    # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then.
-    if options.level > 0 and plain0 and (peak_of := StepPeak(joint, sizes, options))(saved) >= peak_of(level0):
+    # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then
+    # (a budget starts from it too: its cap is a fraction of the level's plan, and it may only
+    # lower that plan's peak).
+    unruled = not (options.config or must_save or must_recompute)
+    if options.level > 0 and unruled and (peak_of := StepPeak(joint, sizes, options))(saved) >= peak_of(level0):
         notes.append(f"level {options.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
     if budgeted:
