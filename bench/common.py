@@ -316,3 +316,28 @@ def run_with_targets(ap: argparse.ArgumentParser, run, markdown, argv: Sequence[
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
     print(f"wrote {jp} and .md ({info['wall_s']:.0f} s)", flush=True)
     return 0 if all(t["met"] for t in info["targets"]) else 1
+
+
+def zoo_steps(w, options: dict, steps: int = 3):
+    """``steps`` training steps of a fresh fxmem compile (eager inner compiler unless ``options``
+    say otherwise) of a copy of the zoo workload ``w``: (compiled, the model copy, the measured
+    peak of the last step, the warnings caught). The last step is measured: HF's classification
+    heads set ``config.problem_type`` on the first call, so the second compiles again."""
+    import copy
+    import warnings
+
+    import torch
+
+    from fxmem.profiling import step_perf
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(w.model)
+    fn = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(allow_rnn=True):
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            with step_perf("cpu") as perf:
+                w.loss(fn(**w.batch)).backward()
+    return fn, model, perf.result.peak_bytes, [str(c.message) for c in caught]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 import common  # noqa: E402
 
 import fxmem  # noqa: E402,F401  (registers the backend)
-from fxmem.profiling import step_perf  # noqa: E402
 from fxmem.testing.zoo import FAMILY, ZOO, zoo_build  # noqa: E402
 
 FRACTIONS = (0.9, 0.7, 0.5, 0.3, 0.1, 0.0)
@@ -35,18 +33,8 @@ def _grads(model):
 
 def run(w, options):
     """(measured peak of the third step, gradients, budget warnings) of a fresh compile."""
-    torch._dynamo.reset()
-    model = copy.deepcopy(w.model)
-    fn = torch.compile(model, backend="fxmem", options={**BASE, **options})
-    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(allow_rnn=True):
-        warnings.simplefilter("always")
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            torch.manual_seed(1)
-            with step_perf("cpu") as perf:
-                w.loss(fn(**w.batch)).backward()
-    msgs = [str(c.message) for c in caught if "budget" in str(c.message) or "falling back" in str(c.message)]
-    return perf.result.peak_bytes, _grads(model), msgs
+    _, model, peak, caught = common.zoo_steps(w, {**BASE, **options})
+    return peak, _grads(model), [m for m in caught if "budget" in m or "falling back" in m]
 
 
 def close(a, b):

@@ -11,9 +11,7 @@ largest graph's, and the row says how many graphs there were.
 
 from __future__ import annotations
 
-import copy
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 import common  # noqa: E402
 
 import fxmem  # noqa: E402
-from fxmem.profiling import step_perf  # noqa: E402
 from fxmem.testing.zoo import FAMILY, ZOO, zoo_build  # noqa: E402
 
 CONFIGS = {f"L{level}{'' if lower else ' no-lower'}": {"level": level, "lowering": lower}
@@ -32,20 +29,9 @@ BAR = 0.05
 
 
 def row(name: str, config: str, options: dict) -> dict:
-    w = zoo_build(name)
-    torch._dynamo.reset()
-    model = copy.deepcopy(w.model)
-    fn = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
-    with warnings.catch_warnings(), torch._dynamo.config.patch(allow_rnn=True):
-        warnings.simplefilter("ignore")
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            torch.manual_seed(1)
-            with step_perf("cpu") as perf:
-                w.loss(fn(**w.batch)).backward()
+    fn, _, measured, _ = common.zoo_steps(zoo_build(name), options)
     graphs = fxmem.report(fn).graphs
     predicted = max((g.predict_peak() for g in graphs), default=0)
-    measured = perf.result.peak_bytes
     r = dict(model=name, family=FAMILY[name], config=config, measured=measured, predicted=predicted,
              graphs=len(graphs), error=(predicted - measured) / measured if measured else 0.0)
     print(r, flush=True)
