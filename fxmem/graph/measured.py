@@ -39,13 +39,14 @@ def _hint(d) -> int:
     return int(d)
 
 
-def _val(a: Any) -> Any:
+def value_of(a: Any) -> Any:
+    """A call's argument as a value: a graph node's (fake) value, anything else as it is."""
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
 def _spec(a: Any) -> Any:
     """An argument as JSON: a tensor as its shape and dtype at the plan shape."""
-    a = _val(a)
+    a = value_of(a)
     if isinstance(a, torch.Tensor):
         return {"shape": [_hint(d) for d in a.shape], "dtype": str(a.dtype).removeprefix("torch.")}
     if isinstance(a, (list, tuple)):
@@ -57,7 +58,7 @@ def _spec(a: Any) -> Any:
 
 def _config(target, args: Sequence) -> tuple[str, Any] | None:
     """(cache key, JSON config) of a call on CPU tensors, else None."""
-    first = _val(args[0]) if args else None
+    first = value_of(args[0]) if args else None
     if not (isinstance(first, torch.Tensor) and first.device.type == "cpu"):
         return None
     config = {"op": target._schema.name.split("::")[1], "overload": target._overloadname,
@@ -90,7 +91,8 @@ def _measure(configs: dict[str, Any]) -> None:
         results = json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         log.warning("fxmem: could not measure kernel temporaries (%s); counting them as 0", e)
-        results = [0] * len(configs)
+        known().update(dict.fromkeys(configs, 0))  # for this process only: not written to disk
+        return
     known().update(zip(configs, results))
     path = _cache_file()
     try:
@@ -117,7 +119,8 @@ def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Ex
         todo = dict(c for c in (_config(t, a) for t, a in calls) if c is not None and c[0] not in known())
         _measure({key: found[1], **todo})
     bytes_ = sympy.Integer(known()[key])
-    batch = _val(args[0]).shape[0] if _val(args[0]).dim() else 1
+    first = value_of(args[0])
+    batch = first.shape[0] if first.dim() else 1
     if isinstance(batch, torch.SymInt) and _hint(batch) > 0:  # per example
         return bytes_ * dim_expr(batch) / _hint(batch)
     return bytes_

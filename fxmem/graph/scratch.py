@@ -27,15 +27,15 @@ import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from .measured import MEASURED, measured_scratch
+from .measured import MEASURED, measured_scratch, value_of
 from .sizes import dim_expr, tensor_bytes
 
 aten = torch.ops.aten
 ZERO = sympy.Integer(0)
 
 
-def _val(a: Any) -> Any:
-    return a.meta.get("val") if isinstance(a, fx.Node) else a
+def _numel(v: torch.Tensor) -> sympy.Expr:
+    return sympy.Mul(*[dim_expr(d) for d in v.shape], sympy.Integer(1))
 
 
 def _arguments(target, args: Sequence, kwargs: dict) -> dict[str, Any]:
@@ -50,10 +50,10 @@ def _linear_cross_entropy(target, args, kwargs, out) -> sympy.Expr:
 
     a = _arguments(target, args, kwargs)
     target = target._schema.name
-    h, w, t = (_val(a[k]) for k in ("hidden", "weight", "target"))
+    h, w, t = (value_of(a[k]) for k in ("hidden", "weight", "target"))
     triton_path = h.is_cuda and use_triton(a["impl"], h)  # the path the kernel will take
     row = row_bytes(int(w.shape[0]), h.dtype, a["softcap"], triton_path)
-    rows = sympy.Mul(*[dim_expr(d) for d in t.shape], sympy.Integer(1))
+    rows = _numel(t)
     cap = max(1, a["workspace_bytes"] // row)
     chunk = sympy.Min(rows, cap)
     if triton_path:
@@ -75,18 +75,17 @@ def _linear_cross_entropy(target, args, kwargs, out) -> sympy.Expr:
 def _cpu(f: Callable[[Any], sympy.Expr], arg: int = 0) -> Callable:
     """A temporary of the CPU kernel only, sized from the tensor argument ``arg``."""
     def scratch(target, args, kwargs, out):
-        v = _val(args[arg]) if len(args) > arg else None
+        v = value_of(args[arg]) if len(args) > arg else None
         return f(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else ZERO
     return scratch
 
 
-def _numel(v: torch.Tensor) -> sympy.Expr:
-    return sympy.Mul(*[dim_expr(d) for d in v.shape], sympy.Integer(1))
+_cpu_bytes = _cpu(tensor_bytes)  # a temporary the size of the first argument
 
 
 def _dropout(target, args, kwargs, out) -> sympy.Expr:
     train = args[2] if len(args) > 2 else kwargs.get("train")
-    return _cpu(tensor_bytes)(target, args, kwargs, out) if train is not False else ZERO
+    return _cpu_bytes(target, args, kwargs, out) if train is not False else ZERO
 
 
 def _safe_softmax_mask(v: torch.Tensor) -> sympy.Expr:  # bool per entry, then per row
@@ -94,7 +93,7 @@ def _safe_softmax_mask(v: torch.Tensor) -> sympy.Expr:  # bool per entry, then p
 
 
 def _run_with_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (state, op, *args)
-    return tensor_bytes(_val(args[0])) + op_scratch(args[1], args[2:], kwargs, out)
+    return tensor_bytes(value_of(args[0])) + op_scratch(args[1], args[2:], kwargs, out)
 
 
 def _run_and_save_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (op, *args) -> (state, out)
@@ -109,7 +108,7 @@ def _fxmem_cpu(f: Callable[..., sympy.Expr]) -> Callable:
         from fxmem_kernels._common import use_triton
 
         a = _arguments(target, args, kwargs)
-        x = _val(a["x"])
+        x = value_of(a["x"])
         if not (isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim()) or use_triton(a["impl"], x):
             return ZERO
         n, d = _numel(x), dim_expr(x.shape[-1])
@@ -136,7 +135,7 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     "fxmem::linear_cross_entropy": _linear_cross_entropy,
     "fxmem::linear_cross_entropy_backward": _linear_cross_entropy,
     aten.native_dropout.default: _dropout,
-    aten.native_dropout_backward.default: _cpu(tensor_bytes),
+    aten.native_dropout_backward.default: _cpu_bytes,
     aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
     run_with_rng_state: _run_with_rng_state,
