@@ -68,7 +68,6 @@ from typing import Any
 import torch.fx as fx
 
 from ..options import Options
-from .match import arg
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
 
@@ -196,15 +195,13 @@ def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set) -> Lowered:
     new.meta.update({k: m.output.meta[k] for k in _KEEP_META if k in m.output.meta})
     name = m.output.name
     m.output.replace_all_uses_with(new)
+    for n, call, args in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
+        with graph.inserting_before(n):
+            kept = graph.call_function(call, args)
+        kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
+        n.replace_all_uses_with(kept)
     for n in reversed(m.nodes):
         if not n.users:
             graph.erase_node(n)
             erased.add(n)
-    for n, call in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
-        with graph.inserting_before(n):
-            kept = graph.call_function(call, (arg(n, 0, "input"), arg(n, 1, "weight"), arg(n, 2, "bias")))
-        kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
-        n.replace_all_uses_with(kept)
-        graph.erase_node(n)
-        erased.add(n)
     return Lowered(m.pattern, name, saved, region is not None, m.note)

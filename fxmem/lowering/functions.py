@@ -52,12 +52,22 @@ def _logit_rows(logits: Tensor, index: tuple, vocab: int) -> Optional[Tensor]:
         return None
 
 
+def _biased(bias: Optional[Tensor], logit_bias: Optional[Tensor]) -> Optional[Tensor]:
+    """The linear's bias plus a [1, vocab] bias added to its output (BART's final_logits_bias)."""
+    if logit_bias is None:
+        return bias
+    extra = logit_bias.reshape(-1)
+    return extra if bias is None else bias + extra
+
+
 def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, *,
                          index: tuple, hidden: int, ignore_index: int, label_smoothing: float,
-                         reduction: str, out_dtype: torch.dtype, logits: Optional[Tensor] = None) -> Tensor:
-    """``F.cross_entropy(linear(h, weight, bias)[index].view(-1, V).float(), target, ...)``
-    without the logits (the kernel computes the gradients in the same pass for a reduced loss).
-    ``logits``: the linear's output when the graph returns it too: read, not recomputed."""
+                         reduction: str, out_dtype: torch.dtype, logits: Optional[Tensor] = None,
+                         logit_bias: Optional[Tensor] = None) -> Tensor:
+    """``F.cross_entropy((linear(h, weight, bias) + logit_bias)[index].view(-1, V).float(), target,
+    ...)`` without the logits (the kernel computes the gradients in the same pass for a reduced
+    loss). ``logits``: the full logits when the graph returns them too: read, not recomputed."""
+    bias = _biased(bias, logit_bias)
     h2, t = _rows_of(h, target, index, hidden)
     rows = None if logits is None else _logit_rows(logits, index, weight.shape[0])
     loss = K.linear_cross_entropy(h2, weight, t, bias, ignore_index=ignore_index,
@@ -69,9 +79,10 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], targ
 def per_example_linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor],
                                      target: Tensor, *, index: tuple, hidden: int,
                                      ignore_index: int, label_smoothing: float, reduction: str,
-                                     out_dtype: torch.dtype) -> Tensor:
+                                     out_dtype: torch.dtype, logit_bias: Optional[Tensor] = None) -> Tensor:
     """The same inside a ``vmap(grad(...))`` region: per-token losses (the forward op folds the
     batch into its rows: one call), reduced here; the backward op runs once per example."""
+    bias = _biased(bias, logit_bias)
     h2, t = _rows_of(h, target, index, hidden)
     rows, _ = _RowsLCE.apply(h2, weight, bias, t, (ignore_index, label_smoothing))
     rows = rows.to(out_dtype)
@@ -190,8 +201,9 @@ class _ReturnedLogits(torch.autograd.Function):
         return dh, dw, db if ctx.has_bias else None
 
 
-def returned_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    return _ReturnedLogits.apply(h, weight, bias)
+def returned_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                    logit_bias: Optional[Tensor] = None) -> Tensor:
+    return _ReturnedLogits.apply(h, weight, _biased(bias, logit_bias))
 
 
 # -- norms, activations, dropout --------------------------------------------------------------

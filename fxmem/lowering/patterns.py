@@ -37,7 +37,7 @@ class Match:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     note: str = ""
-    kept: tuple = ()                 # (node, call): a replaced node the graph still needs, recomputed by call
+    kept: tuple = ()                 # (node, call, args): a replaced node the graph still needs, computed by call
 
 
 @dataclass
@@ -144,12 +144,19 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     tx, tt = tensor(x), tensor(target)
     if tx is None or tt is None or tx.dim() != 2 or tt.dim() != 1 or tt.dtype.is_floating_point:
         return skip("logits are not [tokens, vocab] with integer [tokens] targets")
-    chain, index, cur = [], [], x
+    chain, index, cur, logit_bias = [], [], x, None
     while op(cur) != "linear":
         o, t_in = op(cur), tensor(arg(cur, 0)) if isinstance(cur, fx.Node) else None
         t_out = tensor(cur)
         if t_in is None or t_out is None:
             return skip("the logits do not come from a linear layer")
+        if o == "add":  # BART's lm_head(h) + final_logits_bias: one more bias of the linear
+            found = [(a, c) for a, c in commuted(cur) if same_shape(a, cur) and _logit_bias(c, t_out)]
+            if not found or logit_bias is not None:
+                return skip("the logits add something other than one [1, vocab] bias")
+            chain.append(cur)
+            cur, logit_bias = found[0]
+            continue
         if o in ("view", "reshape", "flatten"):
             if t_in.shape[-1] != t_out.shape[-1]:
                 return skip("a reshape of the logits mixes the vocab dim")
@@ -171,27 +178,39 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     th, tw, tb = tensor(h), tensor(w), tensor(b) if b is not None else None
     if th is None or tw is None or tw.dim() != 2 or (b is not None and tb is None):
         return skip("the linear layer's operands are not tensors")
-    if th.dtype not in FLOATS or tw.dtype != th.dtype or (tb is not None and tb.dtype != th.dtype):
+    biases = [t for t in (tb, tensor(logit_bias)) if t is not None]
+    if th.dtype not in FLOATS or tw.dtype != th.dtype or any(t.dtype != th.dtype for t in biases):
         return skip(f"dtypes {th.dtype}/{tw.dtype} are not one float dtype")
     if tx.shape[-1] != tw.shape[0]:
         return skip("the logits' last dim is not the linear layer's output dim")
     region = ctx.region.get(n)
-    if region is not None and (w in ctx.batched or b in ctx.batched):
+    if region is not None and any(p in ctx.batched for p in (w, b, logit_bias)):
         return skip("per-example weights inside vmap")
     nodes = _ordered([lin, *chain, n])
-    returned = any(u.op == "output" for u in lin.users)
-    if not _whole(nodes, n, keep_for_output=(lin,)):
+    # the full logits: the linear's output, or its sum with the logit bias added right after it
+    top = chain[-1] if chain and op(chain[-1]) == "add" else lin
+    returned = any(u.op == "output" for u in top.users)
+    if not _whole(nodes, n, keep_for_output=(top,)):
         return skip("the logits (or a view of them) are used by other ops")
     call = fn.per_example_linear_cross_entropy if region is not None else fn.linear_cross_entropy
     kwargs = dict(index=tuple(index[::-1]), hidden=int(tw.shape[1]), ignore_index=ignore_index,
                   label_smoothing=float(smoothing), reduction=reduction, out_dtype=tensor(n).dtype)
+    if logit_bias is not None:
+        kwargs["logit_bias"] = logit_bias
     note = ("the logits are also a graph output: computed once, for it and the loss; their "
             "backward is skipped when their gradient is zero (return only the loss to save them "
             "too)") if returned else ""
-    kept = ((lin, fn.returned_logits),) if returned and region is None else ()
+    kept = ((top, fn.returned_logits, (h, w, b, logit_bias)),) if returned and region is None else ()
     if kept:
-        kwargs["logits"] = lin  # computed for the output anyway: the loss reads them
+        kwargs["logits"] = top  # computed for the output anyway: the loss reads them
     return Match(name, n, nodes, call, (h, w, b, target), kwargs, note, kept)
+
+
+def _logit_bias(c: Any, logits: torch.Tensor) -> bool:
+    """``c`` adds one value per vocabulary entry to every row: shape [vocab] or [1, .., vocab]."""
+    t = tensor(c)
+    return isinstance(c, fx.Node) and t is not None and t.dim() >= 1 and t.shape[-1] == logits.shape[-1] \
+        and all(s == 1 for s in t.shape[:-1]) and t.dim() <= logits.dim()
 
 
 # -- SwiGLU / GeGLU -------------------------------------------------------------------------
@@ -371,7 +390,8 @@ def _last_dim(dim, ndim: int) -> bool:
 
 def find_rms_norm(n: fx.Node, ctx: Context):
     """``w * (xf * rsqrt(mean(xf^2, -1, keepdim=True) + eps)).to(x.dtype)`` with
-    ``xf = x.to(float32)`` (HF Llama/Mistral/Qwen), anchored at the rsqrt."""
+    ``xf = x.to(float32)`` (HF Llama/Mistral/Qwen), or ``w * (x * rsqrt(...))`` (HF T5, whose
+    cast back happens only for half weights), anchored at the rsqrt."""
     name = "rms_norm"
     if op(n) != "rsqrt":
         return None
@@ -401,16 +421,17 @@ def find_rms_norm(n: fx.Node, ctx: Context):
         return skip("mean of something other than x**2")
     if len(n.users) != 1:
         return skip("rsqrt used twice")
-    y = next(iter(n.users))
-    if op(y) != "mul" or not any(a is xf and b is n for a, b in commuted(y)):
-        return skip("rsqrt(...) does not multiply x")
-    txf, ty = tensor(xf), tensor(y)
-    if txf is None or ty is None or txf.dtype not in (torch.float32, torch.float64) \
-            or tuple(ty.shape) != tuple(txf.shape):
-        return skip("statistics not in fp32")
     up = is_cast_to(xf) and isinstance(arg(xf, 0), fx.Node)
     x = arg(xf, 0) if up else xf
-    tx = tensor(x)
+    y = next(iter(n.users))
+    # Llama multiplies the fp32 copy, T5 the input itself (promoted to fp32 by the product: the
+    # same values)
+    if op(y) != "mul" or not any(a in (xf, x) and b is n for a, b in commuted(y)):
+        return skip("rsqrt(...) does not multiply x")
+    txf, ty, tx = tensor(xf), tensor(y), tensor(x)
+    if txf is None or ty is None or tx is None or txf.dtype not in (torch.float32, torch.float64) \
+            or ty.dtype != txf.dtype or tuple(ty.shape) != tuple(txf.shape):
+        return skip("statistics not in fp32")
     nodes = ([xf] if up else []) + [sq, v, ve, n, y]
     out = y
     users = list(y.users)
@@ -480,7 +501,8 @@ def find_dropout(n: fx.Node, ctx: Context):
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("fused_linear_cross_entropy",
-            "F.cross_entropy(linear(h, W, b) [-> slice leading dims] [-> view/reshape/flatten] "
+            "F.cross_entropy(linear(h, W, b) [+ a [1, vocab] bias (BART's final_logits_bias)] "
+            "[-> slice leading dims] [-> view/reshape/flatten] "
             "[-> .float()], target, ignore_index, label_smoothing, reduction) (incl. HF's causal-LM "
             "loss); inside vmap(grad): per-token losses reduced in the graph",
             "fxmem::linear_cross_entropy (+ fxmem::linear_cross_entropy_backward per example "
@@ -494,9 +516,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "written out in pointwise ops (erf or GPT-2's tanh formula; also without a bias)",
             "fxmem::bias_gelu + fxmem::bias_gelu_backward (the matmul keeps no bias)",
             find_bias_gelu),
-    Pattern("rms_norm", "w * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype) "
-            "(HF Llama/Mistral/Qwen RMSNorm; weight optional)", "fxmem::rms_norm + fxmem::rms_norm_backward",
-            find_rms_norm),
+    Pattern("rms_norm", "w * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype) or "
+            "w * (x * rsqrt(...)) (HF Llama/Mistral/Qwen/T5 RMSNorm; weight optional)",
+            "fxmem::rms_norm + fxmem::rms_norm_backward", find_rms_norm),
     Pattern("layer_norm", "F.layer_norm over the last dim", "fxmem::layer_norm + fxmem::layer_norm_backward",
             find_layer_norm),
     Pattern("dropout", "F.dropout(x, p > 0, training=True)", "fxmem::seeded_dropout (+ backward): "
