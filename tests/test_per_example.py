@@ -271,19 +271,31 @@ def test_chunk_graphs_never_match_a_model_after_their_inputs_are_freed():
     assert not any(c.inputs & later_ids for c in fxmem.compilations(fn))
 
 
-def test_strict_compiles_a_model_that_calls_vmap_without_microbatching():
-    """No microbatching asked for: a vmap inside a model (e.g. HF Mamba's scan) is left alone
-    under strict=True too, and the step equals eager."""
-    class VmapModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(8, 8)
+class _VmapModel(torch.nn.Module):
+    """vmap inside a model: one region, two regions, or vmap(grad) (a gradient penalty)."""
 
-        def forward(self, x):
-            return torch.vmap(lambda row: self.lin(row).relu())(x).square().mean()
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin, self.lin2 = kind, torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
 
+    def forward(self, x):
+        a = torch.vmap(lambda row: self.lin(row).relu())(x)
+        if self.kind == "one":
+            return a.square().mean()
+        if self.kind == "two":
+            return torch.vmap(lambda row: self.lin2(row).tanh())(a).square().mean()
+        g = vmap(grad(lambda row: self.lin2(row).tanh().sum()))(a)
+        return self.lin2(a).mean() + g.square().mean()
+
+
+@pytest.mark.parametrize("kind", ["one", "two", "grad penalty"])
+def test_strict_compiles_a_model_that_calls_vmap_without_microbatching(kind):
+    """No microbatching asked for: vmap inside a model (e.g. HF masks built with use_vmap) is
+    left alone under strict=True, however many regions and with grad inside, and the step equals
+    eager (strict used to reject these: "N vmap regions in one graph", "inputs require grad")."""
     torch._dynamo.reset()
-    model, ref = VmapModel(), VmapModel()
+    torch.manual_seed(0)
+    model, ref = _VmapModel(kind), _VmapModel(kind)
     ref.load_state_dict(model.state_dict())
     x = torch.randn(4, 8)
     compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "strict": True})
