@@ -441,3 +441,41 @@ def test_conv_batchnorm_keeps_gradients_and_running_stats_at_every_level(options
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")
     assert [g.report.level for c in fxmem.compilations(compiled) for g in c.graphs] == [options["level"]]
+
+
+@pytest.mark.parametrize("name, blocks", [
+    ("convnet", ["features.0", "features.2"]),  # the conv-BN-ReLU blocks; the pools are ops between them
+    ("resnet", ["resnet.encoder.stages.0", "resnet.encoder.stages.1"]),  # not the classifier's Flatten/Linear
+    ("unet", ["down", "mid", "up"]),  # no numbered blocks: the top-level stages
+])
+def test_layers_are_the_blocks_with_submodules(name, blocks, monkeypatch):
+    import fxmem.remat.plan as plan_module
+    from fxmem.testing.zoo import zoo_build
+
+    found = []
+    real = plan_module.layers
+    monkeypatch.setattr(plan_module, "layers", lambda joint: found.append(real(joint)) or found[-1])
+    w = zoo_build(name)
+    torch._dynamo.reset()
+    w.loss(torch.compile(w.model, backend="fxmem", options={"inner": "eager", "level": 1})(**w.batch)).backward()
+    assert sorted(set(found[-1].values())) == blocks
+
+
+def test_level1_recomputes_a_unets_stages():
+    """A UNet whose activations make the peak: level 1 recomputes inside its stages (it used to
+    find every conv, norm and ReLU a layer of its own, and fell back to level 0's plan)."""
+    from fxmem.profiling import step_perf
+    from fxmem.testing.zoo import zoo_build
+
+    w = zoo_build("unet", size=64, width=32)
+    peaks = {}
+    for level in (0, 1):
+        torch._dynamo.reset()
+        fn = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", "level": level})
+        for _ in range(2):
+            with step_perf("cpu") as perf:
+                w.loss(fn(**w.batch)).backward()
+        peaks[level] = perf.result.peak_bytes
+        notes = [n for g in fxmem.report(fn).graphs for n in g.notes]
+        assert not any("using level 0's plan" in n for n in notes), notes
+    assert peaks[1] < 0.95 * peaks[0], peaks

@@ -2,7 +2,9 @@
 
 Dynamo records each node's module path (``node.meta["nn_module_stack"]``); a layer is the module
 path up to its first integer segment (``transformer.h.3``, ``model.layers.0``, ``blocks.2``),
-which covers plain ``nn.ModuleList`` models and Hugging Face models alike. Nodes that decompositions
+which covers plain ``nn.ModuleList`` models and Hugging Face models alike, when that module has
+submodules (a numbered leaf, ``nn.Sequential(conv, bn, relu)``'s ``1``, is an op of the code
+around it); without numbered blocks, the top-level modules with submodules (a UNet's stages). Nodes that decompositions
 created without a path inherit the layer of their inputs. A layer's *boundary* is every tensor
 it reads from outside itself (the residual stream, plus small shared inputs such as rotary tables)
 and every tensor of it that code outside the layers reads (the last layer's output).
@@ -31,23 +33,41 @@ def module_path(raw: str) -> list[str]:
     return parts[2:] if parts[:1] == ["args"] else parts[1:]
 
 
-def layer_key(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack") or {}
-    for raw, _ in reversed(list(stack.values())):
-        parts = module_path(raw)
-        for i, part in enumerate(parts):
-            if part.isdigit():
-                return ".".join(parts[: i + 1])
-    return None
+def _paths(node: fx.Node) -> list[tuple[str, ...]]:
+    """The module paths of ``node``'s stack, outermost first (the compiled module itself: ())."""
+    return [tuple(module_path(raw)) for raw, _ in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def _blocks(nodes) -> set[tuple[str, ...]]:
+    """The repeated blocks: modules with submodules (a leaf such as ``features.1 = MaxPool2d`` is
+    an op, not a block) that are numbered children (``transformer.h.3``, ``features.0``: the first
+    numbered module on a path). A network without numbered blocks (a UNet's ``down``, ``mid``,
+    ``up``) has its top-level modules with submodules instead, when there are two or more."""
+    stacks = [_paths(n) for n in nodes]
+    seen = {p for stack in stacks for p in stack}
+    composite = {p[:i] for p in seen for i in range(1, len(p)) if p[:i] in seen}
+    numbered = set()
+    for stack in stacks:
+        first = next((p for p in stack if p and p[-1].isdigit() and not any(s.isdigit() for s in p[:-1])), None)
+        if first in composite:
+            numbered.add(first)
+    if numbered:
+        return numbered
+    top = {p for p in composite if len(p) == 1}
+    return top if len(top) >= 2 else set()
+
+
+def layer_key(node: fx.Node, blocks: set[tuple[str, ...]]) -> str | None:
+    return next((".".join(p) for p in _paths(node) if p in blocks), None)
 
 
 def layers(joint: JointGraph) -> dict[fx.Node, str]:
     """Forward node -> layer key, for nodes inside a repeated block."""
+    forward = [n for n in joint.gm.graph.nodes if n in joint.forward and n.op == "call_function"]
+    blocks = _blocks(forward)
     key: dict[fx.Node, str] = {}
-    for n in joint.gm.graph.nodes:
-        if n not in joint.forward or n.op != "call_function":
-            continue
-        k = layer_key(n)
+    for n in forward:
+        k = layer_key(n, blocks)
         if k is None and not n.meta.get("nn_module_stack"):  # made by a decomposition: inherit
             ks = {key.get(a) for a in n.all_input_nodes if a.op != "placeholder"} - {None}
             k = ks.pop() if len(ks) == 1 else None  # ignore layer-less inputs (lifted constants)

@@ -13,6 +13,7 @@ step takes a few milliseconds to a few hundred).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -245,8 +246,89 @@ FAMILY: dict[str, str] = {
 }
 
 
-def zoo_build(name: str, **kwargs: Any) -> Workload:
-    """The zoo model ``name`` built with ``kwargs`` (its sizes, ``seed``)."""
+# The ``thorough`` profile: shapes where activations, not parameters, make the peak (so that
+# recompute and lowering can pay), real vocabulary sizes; a step takes up to a second here.
+_TEXT = dict(batch=4, seq=128, vocab=32000, d=128, layers=4, heads=4)
+_IMAGE = dict(batch=8, size=64)
+PROFILES: dict[str, dict[str, dict[str, Any]]] = {
+    "tiny": {name: {} for name in ZOO},
+    "thorough": {
+        **{name: _TEXT for name in ("roberta", "gpt2", "llama", "llama_tied", "mistral", "gemma2", "t5", "bart",
+                                    "mixtral")},
+        "vit": dict(_IMAGE, patch=4, d=128, layers=4, heads=4),
+        "resnet": dict(_IMAGE, width=32), "convnet": dict(_IMAGE, width=32), "unet": dict(_IMAGE, width=32),
+        "mamba": dict(batch=4, seq=64, vocab=32000, d=128, layers=4),  # the scan is unrolled over seq
+        "whisper": dict(batch=4, frames=256, mels=80, seq=128, vocab=32000, d=128, layers=4, heads=4),
+        "lstm": dict(batch=4, seq=32, vocab=8192, d=128, layers=2),  # unrolled over seq too
+    },
+}
+
+
+def zoo_build(name: str, profile: str = "tiny", **kwargs: Any) -> Workload:
+    """The zoo model ``name`` at the sizes of ``profile`` ("tiny": CI's, "thorough"), updated
+    with ``kwargs`` (its sizes, ``seed``)."""
     if name not in ZOO:
         raise ValueError(f"unknown zoo model {name!r}; known: {', '.join(sorted(ZOO))}")
-    return ZOO[name](**kwargs)
+    if profile not in PROFILES:
+        raise ValueError(f"unknown zoo profile {profile!r}; known: {', '.join(PROFILES)}")
+    return ZOO[name](**{**PROFILES[profile][name], **kwargs})
+
+
+def eager_step(model: nn.Module, w: Workload) -> torch.Tensor:
+    """One training step of ``model`` on ``w.batch`` (seed 1: the same dropout masks every time):
+    the loss, detached."""
+    torch.manual_seed(1)
+    loss = w.loss(model(**w.batch))
+    loss.backward()
+    return loss.detach()
+
+
+@dataclass
+class Conformance:
+    """One compiled step against eager's (:func:`conform`)."""
+    compiled: Any                 # the compiled model (for its reports)
+    peak_bytes: int               # the measured peak of the third step
+    fallbacks: list[str]          # "falling back to a safe plan" warnings
+    mismatches: list[str]         # the loss or a parameter gradient not equal to eager's
+
+    @property
+    def ok(self) -> bool:
+        return not self.fallbacks and not self.mismatches
+
+
+def conform(w: Workload, options: dict, reference: tuple[nn.Module, torch.Tensor], rtol: float = 1e-4,
+            atol: float = 1e-6) -> Conformance:
+    """Compile a copy of ``w.model`` with fxmem ``options`` (eager inner compiler unless they say
+    otherwise), run a step and two more (the third measured: HF classification heads recompile
+    on the second call), and compare the first with ``reference`` (the eager model after
+    :func:`eager_step`, its loss): the loss and every parameter gradient."""
+    import copy
+    import warnings
+
+    import fxmem
+    from fxmem.profiling import step_perf
+
+    ref, ref_loss = reference
+    model = copy.deepcopy(w.model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(allow_rnn=True):
+        warnings.simplefilter("always")
+        loss = eager_step(compiled, w)
+        grads = [None if q.grad is None else q.grad.clone() for q in model.parameters()]
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with step_perf("cpu") as perf:
+                eager_step(compiled, w)
+    fallbacks = [str(c.message) for c in caught if "falling back to a safe plan" in str(c.message)]
+    mismatches = [] if fxmem.report(compiled).graphs else ["fxmem compiled no graph (Dynamo ran the model eagerly)"]
+    pairs = [("loss", loss, ref_loss)] + [(n, g, p.grad) for (n, p), g in zip(ref.named_parameters(), grads)]
+    for name, got, want in pairs:
+        if (got is None) != (want is None):
+            mismatches.append(f"{name}: gradient {'missing' if got is None else 'unexpected'}")
+        elif got is not None:
+            try:
+                torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+            except AssertionError as e:
+                mismatches.append(f"{name}: {str(e).splitlines()[0]} {' '.join(str(e).split()[-12:])}")
+    return Conformance(compiled, perf.result.peak_bytes, fallbacks, mismatches)
