@@ -78,3 +78,21 @@ def test_zoo_build_names_the_known_models():
     with pytest.raises(ValueError, match=r"unknown zoo profile 'huge'; known: tiny, thorough"):
         zoo_build("gpt2", "huge")
     assert all(PROFILES[p].keys() == ZOO.keys() for p in PROFILES)
+
+
+def test_an_lstm_dynamo_does_not_trace_is_named_in_the_empty_report():
+    """Dynamo runs a model with nn.LSTM eagerly unless torch._dynamo.config.allow_rnn is set: fxmem
+    sees no graph, and its report says so and passes on Dynamo's reason and hint."""
+    import torch
+
+    import fxmem
+
+    w = zoo_build("lstm", seq=4)
+    torch._dynamo.reset()
+    compiled = torch.compile(w.model, backend="fxmem", options={"inner": "eager"})
+    w.loss(compiled(**w.batch)).backward()
+    report = fxmem.report(compiled)
+    text = str(report)
+    assert not report.graphs and "no graphs compiled" in text
+    assert "LSTM" in text and "allow_rnn=True" in text
+    assert fxmem.MemoryReport.from_json(report.to_json()).dynamo_unsupported == report.dynamo_unsupported

@@ -33,7 +33,20 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in u.rows()], "notes": u.notes()}
-                         for c in comps for u in c.unplanned_lowerings])
+                         for c in comps for u in c.unplanned_lowerings],
+                        [] if comps else _dynamo_unsupported())
+
+
+def _dynamo_unsupported() -> list[str]:
+    """Dynamo's unsupported constructs so far (their first line, and its hints): e.g. an
+    ``nn.LSTM``, which Dynamo traces only with ``torch._dynamo.config.allow_rnn = True``."""
+    from torch._dynamo.utils import counters
+
+    out = []
+    for text in counters["unimplemented"]:
+        lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+        out.append("; ".join(lines[:1] + [ln for ln in lines if ln.startswith("Hint:")][:1]))
+    return out
 
 
 def _positional_names(compiled: Any) -> list[str]:

@@ -200,6 +200,8 @@ class MemoryReport:
     # Lowerings in graphs without a backward to plan (e.g. vmap(grad(...)) with no outer
     # backward): {"rows": [LoweringRow as dict], "notes": [str]} per graph.
     unplanned_lowerings: list[dict] = field(default_factory=list)
+    # With no graphs: what Dynamo could not trace in this process (why it ran the code eagerly).
+    dynamo_unsupported: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         from .render import lowering_lines, per_example_lines, table
@@ -208,7 +210,12 @@ class MemoryReport:
         for u in self.unplanned_lowerings:
             rows = [LoweringRow(**r) for r in u["rows"]]
             parts.append("\n".join(["graph without a backward to plan:", *lowering_lines(rows, u["notes"])]))
-        return "\n\n".join(parts) or "fxmem: no graphs compiled"
+        if parts:
+            return "\n\n".join(parts)
+        lines = ["fxmem: no graphs compiled (Dynamo handed fxmem nothing to plan: it ran the model eagerly)"]
+        if self.dynamo_unsupported:
+            lines += ["Dynamo could not trace, in this process:", *[f"  {u}" for u in self.dynamo_unsupported]]
+        return "\n".join(lines)
 
     def _graph(self) -> GraphReport:
         if not self.graphs:
@@ -247,7 +254,8 @@ class MemoryReport:
 
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
-                "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings}
+                "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
+                "dynamo_unsupported": self.dynamo_unsupported}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -271,7 +279,8 @@ class MemoryReport:
                      lowerings=[LoweringRow(**r) for r in g.get("lowerings", [])])
             graphs.append(GraphReport(**g))
         return cls(graphs, per_example=data.get("per_example", []),
-                   unplanned_lowerings=data.get("unplanned_lowerings", []))
+                   unplanned_lowerings=data.get("unplanned_lowerings", []),
+                   dynamo_unsupported=data.get("dynamo_unsupported", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
