@@ -26,6 +26,7 @@ from .graph.sizes import model_state_bytes, static_dims
 from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
 from .options import OptionError, Options, resolve
+from .remat.budget import BudgetError
 from .remat.partition import Partitioner
 from .report import graph_peak, publish
 
@@ -110,13 +111,22 @@ def _planned_peak(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) 
     """The simulated step peak of fxmem's plan for ``gm`` at the compiled shape; None when there
     is no plan to compare (no backward, or planning failed: strict here, so that the real compile
     alone reports a failure, once)."""
-    partitioner = Partitioner(replace(opts, inner="eager", strict=True))
-    try:
+    def planned(strict: bool) -> Partitioner:
+        partitioner = Partitioner(replace(opts, inner="eager", strict=strict))
         with warnings.catch_warnings():  # the real compile warns, once (e.g. a budget it cannot meet)
             warnings.simplefilter("ignore")
             inner.compile_joint(gm, example_inputs, "eager", partitioner)
+        return partitioner
+
+    try:
+        try:
+            partitioner = planned(strict=True)
+        except BudgetError:  # unmet: compare the plans the real compile falls back to (least peak)
+            partitioner = planned(strict=False) if not opts.strict else None
     except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
         log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
+        return None
+    if partitioner is None:
         return None
     peaks = [graph_peak(g) for g in partitioner.planned]
     return max(peaks) if peaks else None

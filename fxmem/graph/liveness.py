@@ -13,16 +13,21 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import sympy
+import torch
 import torch.fx as fx
 
 from .inplace import WRITES_INTO_FIRST
 from .scratch import scratch_bytes
 from .sizes import SymbolicSizes, tensor_bytes
 
+# Views whose schema declares no alias (autograd does not track them) but that share storage:
+# ``_unsafe_view`` ends every matmul of a 3-D input (``mm`` then ``_unsafe_view``).
+_UNTRACKED_VIEWS = {torch.ops.aten._unsafe_view.default}
+
 
 def is_alias(node: fx.Node) -> bool:
     """Shares its first input's storage: a view, a getitem, or an in-place op."""
-    if node.target is operator.getitem or node.target in WRITES_INTO_FIRST:
+    if node.target is operator.getitem or node.target in WRITES_INTO_FIRST or node.target in _UNTRACKED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
