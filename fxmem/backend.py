@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -75,10 +75,14 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
     """Lowering, AOTAutograd with fxmem's partitioner, the inner compiler, the reports."""
     opts = comp.options
     try:
-        lowered_gm, lowered = _lower(gm, example_inputs, opts)
+        lowered_gm, lowered, trial = _lower(gm, example_inputs, opts)
         log.debug("fxmem lowering: %d patterns lowered, %d skipped", len(lowered.lowered), len(lowered.skipped))
-        partitioner = Partitioner(opts)
-        compiled = inner.compile_joint(lowered_gm, example_inputs, opts.inner, partitioner)
+        if trial is not None and opts.inner == "eager":  # the comparison compiled this very graph
+            compiled, partitioner = trial.compiled, trial.partitioner
+            trial.warn()
+        else:
+            partitioner = Partitioner(opts)
+            compiled = inner.compile_joint(lowered_gm, example_inputs, opts.inner, partitioner)
     except Exception as e:  # noqa: BLE001
         stage_failed("compile", e, opts)
         return inner.compile_safe(gm, example_inputs)  # the graph as Dynamo gave it: no lowering
@@ -87,49 +91,63 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
     return compiled
 
 
-def _lower(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> tuple[fx.GraphModule, lowering.Lowering]:
+def _lower(gm: fx.GraphModule, example_inputs: list[Any], opts: Options):
     """Pattern lowering, kept only if it lowers the step's simulated peak: the lowered and the
     unlowered graph are both planned (AOTAutograd with the eager inner compiler, which traces and
     plans but runs nothing) and the lowered one must peak lower, and plan where the unlowered one
     plans (the report says so otherwise; a tie is declined: the fused kernels' own buffers are
-    the estimate's least certain part)."""
+    the estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
+    :class:`_Trial` or None)."""
     lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
     if not lowered.lowered:
-        return lowered_gm, lowered
-    with_lowering, without = _planned_peak(lowered_gm, example_inputs, opts), _planned_peak(gm, example_inputs, opts)
+        return lowered_gm, lowered, None
+    with_trial, without_trial = _trial(lowered_gm, example_inputs, opts), _trial(gm, example_inputs, opts)
+    with_lowering, without = (t.peak if t is not None else None for t in (with_trial, without_trial))
     log.debug("fxmem lowering: planned peak %s bytes lowered, %s unlowered", with_lowering, without)
     if with_lowering is None and without is not None:
         return gm, lowered.declined("not applied: the graph with lowering could not be planned (e.g. a fused "
-                                    "kernel's backward differentiated again); the unlowered one could")
+                                    "kernel's backward differentiated again); the unlowered one could"), without_trial
     if with_lowering is not None and without is not None and with_lowering >= without:
         return gm, lowered.declined(f"not applied: the plan with lowering peaks at {with_lowering:,} bytes, "
-                                    f"not below {without:,} without it")
-    return lowered_gm, lowered
+                                    f"not below {without:,} without it"), without_trial
+    return lowered_gm, lowered, with_trial
 
 
-def _planned_peak(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> int | None:
-    """The simulated step peak of fxmem's plan for ``gm`` at the compiled shape; None when there
-    is no plan to compare (no backward, or planning failed: strict here, so that the real compile
-    alone reports a failure, once)."""
-    def planned(strict: bool) -> Partitioner:
+@dataclass
+class _Trial:
+    """A graph compiled with the eager inner compiler to compare planned peaks; with the eager
+    inner compiler it is the compile itself (its warnings, held back, are given when it is used)."""
+    compiled: Callable
+    partitioner: Partitioner
+    caught: list
+    peak: int | None  # the largest simulated step peak of its plans; None: nothing planned
+
+    def warn(self) -> None:
+        for w in self.caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _trial(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> _Trial | None:
+    """``gm`` compiled (eager inner compiler) and planned; None when there is no plan to compare
+    (planning failed: strict here, so that the real compile alone reports a failure, once; an
+    unmet budget is compared at the plan the compile falls back to)."""
+    def planned(strict: bool) -> _Trial:
         partitioner = Partitioner(replace(opts, inner="eager", strict=strict))
-        with warnings.catch_warnings():  # the real compile warns, once (e.g. a budget it cannot meet)
-            warnings.simplefilter("ignore")
-            inner.compile_joint(gm, example_inputs, "eager", partitioner)
-        return partitioner
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = inner.compile_joint(gm, example_inputs, "eager", partitioner)
+        peaks = [graph_peak(g) for g in partitioner.planned]
+        partitioner.options = opts  # planned as asked (strict here only turns failures into errors)
+        return _Trial(compiled, partitioner, caught, max(peaks) if peaks else None)
 
     try:
         try:
-            partitioner = planned(strict=True)
+            return planned(strict=True)
         except BudgetError:  # unmet: compare the plans the real compile falls back to (least peak)
-            partitioner = planned(strict=False) if not opts.strict else None
+            return planned(strict=False) if not opts.strict else None
     except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
         log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
         return None
-    if partitioner is None:
-        return None
-    peaks = [graph_peak(g) for g in partitioner.planned]
-    return max(peaks) if peaks else None
 
 
 def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, opts: Options) -> Callable:

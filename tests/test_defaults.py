@@ -1,8 +1,8 @@
 """What a user gets without tuning: stock HF models in one graph, the DP-SGD snippet on an HF
 model, reports for a second model of a class, readable names for positional inputs."""
-
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -165,14 +165,14 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
     torch._dynamo.reset()
     ids = torch.randint(0, 256, (2, 32))
     off, _ = _measured(_tied_llama(), {"level": 1, "lowering": False}, ids)
-    planned, calls = backend._planned_peak, []
+    planned, calls = backend._trial, []
 
     def lowered_peaks_higher(gm, example_inputs, opts):  # _lower plans the lowered graph first
         calls.append(gm)
-        peak = planned(gm, example_inputs, opts)
-        return peak * 2 if len(calls) % 2 == 1 and peak is not None else peak
+        trial = planned(gm, example_inputs, opts)
+        return dataclasses.replace(trial, peak=trial.peak * 2) if len(calls) % 2 == 1 and trial.peak else trial
 
-    monkeypatch.setattr(backend, "_planned_peak", lowered_peaks_higher)
+    monkeypatch.setattr(backend, "_trial", lowered_peaks_higher)
     torch._dynamo.reset()
     declined, report = _measured(_tied_llama(), {"level": 1, "lowering": True}, ids)
     assert not report.lowerings

@@ -39,7 +39,7 @@ def _lowering_always_applies(monkeypatch):
     no-worse rule has its own tests in tests/test_defaults.py)."""
     import fxmem.backend
 
-    monkeypatch.setattr(fxmem.backend, "_planned_peak", lambda *args: None)
+    monkeypatch.setattr(fxmem.backend, "_trial", lambda *args: None)
 
 
 def _rel(a, b):

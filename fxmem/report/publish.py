@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Callable
 
 from ..compilation import Compilation, PlannedGraph
+from ..graph.liveness import step_peak
 from ..logs import trace_plan
 from .model import MemoryReport, build, report_json_path
 from .render import lowering_lines, table
@@ -44,8 +45,9 @@ def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering")
 
 
 def graph_peak(graph: PlannedGraph) -> int:
-    """The predicted step peak of one planned graph at its compiled shape."""
-    return build(0, "", graph.plan, graph.split, graph.sizes, graph.primal_names).predict_peak()
+    """The predicted step peak of one planned graph at its compiled shape (its report's
+    ``predict_peak()``, from the live schedules: no report built)."""
+    return step_peak(graph.split.fw, graph.split.bw, graph.sizes, graph.primal_names)
 
 
 def _show(comp: Compilation, text: Callable[[], str]) -> None:
