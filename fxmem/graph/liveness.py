@@ -42,10 +42,13 @@ def _is_element(node: fx.Node) -> bool:
     return isinstance(src.meta.get("val"), (tuple, list)) and (not is_alias(src) or _is_element(src))
 
 
-def storage_roots(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
-    """Node -> the node whose output storage it is (what keeping it keeps alive)."""
-    root: dict[fx.Node, fx.Node] = {}
+def storage_roots(gm: fx.GraphModule, shared: Mapping[fx.Node, fx.Node] | None = None) -> dict[fx.Node, fx.Node]:
+    """Node -> the node whose output storage it is (what keeping it keeps alive). ``shared``:
+    placeholders known to share another placeholder's storage (kept views of one tensor)."""
+    root: dict[fx.Node, fx.Node] = dict(shared or {})
     for n in gm.graph.nodes:
+        if n in root:
+            continue
         aliases = (n.op == "call_function" and is_alias(n) and n.args and isinstance(n.args[0], fx.Node)
                    and not _is_element(n))
         root[n] = root.get(n.args[0], n.args[0]) if aliases else n
@@ -92,17 +95,22 @@ def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node
 Event = tuple[str, str, sympy.Expr]  # ("alloc", name, bytes) or ("free", name, bytes)
 
 
-def schedule(gm: fx.GraphModule, sizes: SymbolicSizes,
-             counted: Callable[[fx.Node], bool] = lambda n: True) -> list[Event]:
+def schedule(gm: fx.GraphModule, sizes: SymbolicSizes, counted: Callable[[fx.Node], bool] = lambda n: True,
+             storages: Mapping[fx.Node, tuple[fx.Node, sympy.Expr]] | None = None) -> list[Event]:
     """Allocations and frees in execution order. Placeholders for which ``counted`` is false are
-    not counted (they exist before the graph runs and outlive it, e.g. parameters)."""
+    not counted (they exist before the graph runs and outlive it, e.g. parameters). ``storages``:
+    placeholder -> (the placeholder whose storage it shares, that storage's bytes)."""
+    storages = storages or {}
     nodes = list(gm.graph.nodes)
-    root = storage_roots(gm)
+    root = storage_roots(gm, {p: q for p, (q, _) in storages.items()})
     last = last_reads(gm, root)
     events: list[Event] = []
     live: dict[fx.Node, sympy.Expr] = {}
     for i, n in enumerate(nodes):
-        if (n.op == "placeholder" and counted(n)) or (n.op == "call_function" and root[n] is n and not _taken_early(n)):
+        if n.op == "placeholder" and counted(n) and root[n] is n:
+            live[n] = storages[n][1] if n in storages else sizes.nbytes(n)
+            events.append(("alloc", n.name, live[n]))
+        elif n.op == "call_function" and root[n] is n and not _taken_early(n):
             live[n] = _allocated(n, sizes)
             events.append(("alloc", n.name, live[n]))
             for u in elements(n) if n.op == "call_function" else ():
@@ -153,7 +161,25 @@ def step_schedules(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes,
     forward's inputs and the backward's placeholders named in ``inputs`` (parameters, the batch
     and views of them), which exist before the step; counted: the kept values and tangents."""
     return (schedule(fw, sizes, counted=lambda n: False),
-            schedule(bw, sizes, counted=lambda n: n.name not in inputs))
+            schedule(bw, sizes, counted=lambda n: n.name not in inputs, storages=kept_storages(fw, bw, sizes)))
+
+
+def kept_storages(fw: fx.GraphModule, bw: fx.GraphModule,
+                  sizes: SymbolicSizes) -> dict[fx.Node, tuple[fx.Node, sympy.Expr]]:
+    """The backward's placeholders for kept values -> (the first one sharing their storage, the
+    storage's bytes): a kept view (an ``expand`` of grouped-query attention's keys, a slice of a
+    fused projection) holds its whole storage, once however many views of it are kept."""
+    root = storage_roots(fw)
+    by_name = {n.name: n for n in fw.graph.nodes}
+    first: dict[fx.Node, fx.Node] = {}
+    out = {}
+    for p in bw.graph.find_nodes(op="placeholder"):
+        n = by_name.get(p.name)
+        if n is None or n.op == "placeholder" or root[n].op == "placeholder":
+            continue
+        r = root[n]
+        out[p] = (first.setdefault(r, p), sizes.nbytes(r))
+    return out
 
 
 def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes, inputs: set[str]) -> int:

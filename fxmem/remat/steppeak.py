@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors
-from ..graph.liveness import _is_element, _taken_early, elements, is_alias
+from ..graph.liveness import _is_element, _taken_early, elements, is_alias, storage_roots
 from ..graph.scratch import scratch_bytes
 from ..graph.sizes import SymbolicSizes, tensor_bytes
 from ..inner import write_candidates
@@ -36,6 +36,7 @@ class StepPeak:
         self.reuse = options.inner == "eager"
         self.pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
         self.bindings = find_symbol_binding_fx_nodes(joint.gm.graph)
+        self._storage = storage_roots(joint.gm)  # a kept view holds its whole storage (liveness.kept_storages)
         self._bytes: dict = {}
         self._source: dict[fx.Node, fx.Node | None] = {}
         self._writes: dict[fx.Node, list] = {}
@@ -87,11 +88,18 @@ class StepPeak:
         stop = set(bw_in)
         bw_body = _late_order(joint.gm, ancestors(list(joint.bwd_outputs), stop=stop) - stop, set(recomputed))
         counted = {n for n in bw_in if n.name not in self.names}
-        return max(fw, self._peak(bw_in, counted, bw_body, list(joint.bwd_outputs), set()))
+        first: dict = {}
+        shared = {n: first.setdefault(self._storage[n], n) for n in tensors
+                  if self._storage[n].op != "placeholder"}
+        return max(fw, self._peak(bw_in, counted, bw_body, list(joint.bwd_outputs), set(), shared))
 
-    def _peak(self, inputs: list, counted: set, body: list, outputs: list, saved_states: set) -> int:
+    def _peak(self, inputs: list, counted: set, body: list, outputs: list, saved_states: set,
+              shared: dict | None = None) -> int:
         """The peak of one graph: ``inputs`` (``counted`` ones allocated), ``body`` in order,
-        ``outputs`` read at the end; ``saved_states``: forward states handed out by their op."""
+        ``outputs`` read at the end; ``saved_states``: forward states handed out by their op;
+        ``shared``: input -> the first input sharing its storage (allocated once, at the
+        storage's bytes)."""
+        shared = shared or {}
         ran = set(body)
         members = set(inputs) | ran
         pos = {n: i for i, n in enumerate([*inputs, *body])}
@@ -101,7 +109,7 @@ class StepPeak:
             return [a for a in self._reads[n] if a in members] if n in self._replays else self._reads[n]
 
         def roots_and_last(first):
-            root = {n: n for n in inputs}
+            root = {n: shared.get(n, n) for n in inputs}
             for n in body:
                 a = first(n)
                 root[n] = root.get(a, a) if a is not None else n
@@ -121,8 +129,8 @@ class StepPeak:
         total = best = 0
         frees: dict[int, list] = {}
         for n in inputs:
-            if n in counted:
-                b = self._nbytes(n, ran)
+            if n in counted and root[n] is n:
+                b = self._nbytes(self._storage[n], ran) if n in shared else self._nbytes(n, ran)
                 total += b
                 best = max(best, total)
                 frees.setdefault(last.get(n, pos[n]), []).append(b)
