@@ -1,6 +1,8 @@
 """The temporaries liveness counts inside ops (``fxmem.graph.scratch``), against the allocator's
 events of the CPU kernels, and the allocation of an op's several outputs at the op."""
 
+import operator
+
 import pytest
 import torch
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
@@ -81,6 +83,30 @@ def test_an_op_returning_several_outputs_allocates_them_all_while_its_inputs_liv
     live = simulate(gm, SymbolicSizes(), inputs_freed=False)
     n = 8 * 64 * 4
     assert live.peak == n + n + n + 2 * 8 * 4 and live.peak_at.startswith("getitem")  # x, y, out, mean, rstd
+    with step_perf("cpu") as perf:
+        gm(x)
+    assert abs(perf.result.peak_bytes - (live.peak - n)) <= 16  # x exists before the call
+
+
+def test_an_op_output_lives_until_its_tuple_is_last_read():
+    """A getitem taken late keeps the op's tuple, and so every output of it, alive (the split's
+    backward takes a recomputed norm's rstd after its output died): the output is freed at the
+    last getitem, not at its own last read."""
+    def f(x):
+        out, mean, rstd = aten.native_layer_norm.default(x, [64], None, None, 1e-5)
+        a = out * 2  # out's last read
+        b = a * 3  # allocated while the tuple still holds out
+        return b + rstd  # rstd's getitem moved here below
+
+    x = torch.randn(8, 64)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    late = next(n for n in gm.graph.nodes if n.target is operator.getitem and n.args[1] == 2)
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    add.prepend(late)
+    gm.recompile()
+    n = 8 * 64 * 4
+    live = simulate(gm, SymbolicSizes(), inputs_freed=False)
+    assert live.peak == n + n + n + n + 2 * 8 * 4  # x, out (held), a, b, mean and rstd
     with step_perf("cpu") as perf:
         gm(x)
     assert abs(perf.result.peak_bytes - (live.peak - n)) <= 16  # x exists before the call

@@ -92,6 +92,18 @@ def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node
     return last
 
 
+def tuple_held(gm: fx.GraphModule, last: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """``last`` with each output of an op returning several freed no earlier than the op's last
+    getitem: the tuple holds every output until then (a recomputed norm's ``(y, rstd)``, whose
+    ``rstd`` getitem the backward takes late, keeps ``y`` alive)."""
+    out = dict(last)
+    for n in gm.graph.nodes:
+        if n in last:
+            for u in elements(n):
+                out[u] = max(out.get(u, -1), last[n])
+    return out
+
+
 Event = tuple[str, str, sympy.Expr]  # ("alloc", name, bytes) or ("free", name, bytes)
 
 
@@ -103,7 +115,7 @@ def schedule(gm: fx.GraphModule, sizes: SymbolicSizes, counted: Callable[[fx.Nod
     storages = storages or {}
     nodes = list(gm.graph.nodes)
     root = storage_roots(gm, {p: q for p, (q, _) in storages.items()})
-    last = last_reads(gm, root)
+    last = tuple_held(gm, last_reads(gm, root))
     events: list[Event] = []
     live: dict[fx.Node, sympy.Expr] = {}
     for i, n in enumerate(nodes):
