@@ -91,7 +91,8 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
     return compiled
 
 
-def _lower(gm: fx.GraphModule, example_inputs: list[Any], opts: Options):
+def _lower(gm: fx.GraphModule, example_inputs: list[Any],
+           opts: Options) -> tuple[fx.GraphModule, lowering.Lowering, _Trial | None]:
     """Pattern lowering, kept only if it lowers the step's simulated peak: the lowered and the
     unlowered graph are both planned (AOTAutograd with the eager inner compiler, which traces and
     plans but runs nothing) and the lowered one must peak lower, and plan where the unlowered one

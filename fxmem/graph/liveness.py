@@ -125,7 +125,7 @@ def schedule(gm: fx.GraphModule, sizes: SymbolicSizes, counted: Callable[[fx.Nod
         elif n.op == "call_function" and root[n] is n and not _taken_early(n):
             live[n] = _allocated(n, sizes)
             events.append(("alloc", n.name, live[n]))
-            for u in elements(n) if n.op == "call_function" else ():
+            for u in elements(n):
                 live[u] = sizes.nbytes(u)
                 events.append(("alloc", u.name, live[u]))
         extra = scratch_bytes(n) if n.op == "call_function" else 0

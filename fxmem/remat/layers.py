@@ -4,8 +4,8 @@ Dynamo records each node's module path (``node.meta["nn_module_stack"]``); a lay
 path up to its first integer segment (``transformer.h.3``, ``model.layers.0``, ``blocks.2``),
 which covers plain ``nn.ModuleList`` models and Hugging Face models alike, when that module has
 submodules (a numbered leaf, ``nn.Sequential(conv, bn, relu)``'s ``1``, is an op of the code
-around it); without numbered blocks, the top-level modules with submodules (a UNet's stages). Nodes that decompositions
-created without a path inherit the layer of their inputs. A layer's *boundary* is every tensor
+around it); without numbered blocks, the top-level modules with submodules (a UNet's stages).
+Nodes that decompositions created without a path inherit the layer of their inputs. A layer's *boundary* is every tensor
 it reads from outside itself (the residual stream, plus small shared inputs such as rotary tables)
 and every tensor of it that code outside the layers reads (the last layer's output).
 """

@@ -126,10 +126,11 @@ class StepPeak:
         if self.reuse:
             written = self._reused(body, root, last, pos, ran)
             root, last = roots_and_last(lambda n: written.get(n) or self._alias_source(n))
-        for n in body:  # a tuple holds its outputs until its last getitem (liveness.tuple_held)
-            for u in self._getitems.get(n, ()):
-                if u in ran and n in last and _is_element(u):
-                    last[root[u]] = max(last.get(root[u], -1), last[n])
+        for n, getitems in self._getitems.items():  # a tuple holds its outputs to its last getitem
+            if n in last:  # (liveness.tuple_held); the getitems of an op's outputs own their storage
+                for u in getitems:
+                    if u in ran:
+                        last[u] = max(last.get(u, -1), last[n])
         total = best = 0
         frees: dict[int, list] = {}
         for n in inputs:

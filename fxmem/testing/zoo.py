@@ -330,5 +330,5 @@ def conform(w: Workload, options: dict, reference: tuple[nn.Module, torch.Tensor
             try:
                 torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
             except AssertionError as e:
-                mismatches.append(f"{name}: {str(e).splitlines()[0]} {' '.join(str(e).split()[-12:])}")
+                mismatches.append(f"{name}: {' '.join(str(e).split())}")
     return Conformance(compiled, perf.result.peak_bytes, fallbacks, mismatches)
