@@ -69,3 +69,20 @@ def test_fxmem_configs_pin_lowering_off_unless_they_ask_for_lowering_or_the_defa
     got = resolve(seen[0], env={}).lowering
     assert (got if isinstance(got, bool) else dict(got)) == lowering
     assert ("lowering" in seen[0]) == isinstance(lowering, bool)  # the defaults config: fxmem's own
+
+
+def test_inductor_rows_of_a_dropout_model_are_checked_against_plain_inductor():
+    run = load_bench_module("run")
+
+    def row(config, loss, grad, dropout=0.1):
+        return {"model": "m", "config": config, "status": "ok", "loss": loss, "grad_norm": grad,
+                "peak_bytes": 1, "step_time_median_s": 1.0, "model_kwargs": {"dropout": dropout}}
+
+    rows = [row("eager", 1.0, 1.0), row("inductor", 1.1, 2.0), row("fxmem-inductor-level1", 1.1, 2.0),
+            row("fxmem-inductor", 1.2, 2.0), row("fxmem-eager-level1", 1.0, 1.0)]
+    run.annotate(rows)
+    assert [r["check"] for r in rows] == ["ok", "Inductor's dropout masks (no reference)", "ok vs inductor",
+                                          "MISMATCH loss 9.1e-02 vs inductor", "ok"]
+    no_dropout = [row("eager", 1.0, 1.0, dropout=0.0), row("fxmem-inductor", 1.1, 1.0, dropout=0.0)]
+    run.annotate(no_dropout)
+    assert no_dropout[1]["check"] == "MISMATCH loss 1.0e-01"

@@ -52,7 +52,7 @@ _FUSED_CHEAP = {"fxmem::layer_norm", "fxmem::rms_norm", "fxmem::bias_gelu", "fxm
 # Random ops, cheap when their generator is replayed: Inductor's take their seed as an input;
 # aten's run under ``run_with_rng_state`` (their attention and matmul forms are HEAVY as usual).
 _RANDOM = {
-    prims.inductor_lookup_seed, prims.inductor_random, prims.inductor_randint, aten.native_dropout,
+    prims.inductor_random, prims.inductor_randint, aten.native_dropout,
     aten.bernoulli, aten.rand, aten.rand_like, aten.randn, aten.randn_like, aten.randint, aten.randint_like,
     aten.normal, aten.uniform, aten.exponential, aten.randperm, aten.multinomial,
 }
@@ -66,6 +66,10 @@ _HEAVY = {
 # updated in place from the new values these ops return): recomputed in the backward they would
 # read the mutated input, which autograd refuses (a version-counter error at run time).
 _READS_MUTATED = {aten._native_batch_norm_legit_functional}
+
+
+def is_view(node: fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) in _VIEWS
 
 
 def kind(node: fx.Node) -> str:

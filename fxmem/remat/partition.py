@@ -19,6 +19,7 @@ from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
 from .plan import plan
+from .fences import for_inductor
 from .replay import make_replayable
 from .split import split
 
@@ -61,6 +62,8 @@ class Partitioner(CustomPartitionerFn):
             reuse_dead_buffers(result.fw)
             reuse_dead_buffers(result.bw)
         self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names())))
+        if self.options.inner == "inductor":  # a copy: the report reads the split's own
+            return result.fw, for_inductor(result.bw, {n.name for n in result.recomputed})
         return result.fw, result.bw
 
     @staticmethod
