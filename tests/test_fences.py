@@ -94,6 +94,26 @@ def test_a_gradient_matmul_summed_with_a_later_gradient_is_kept_out_of_addmm():
         assert torch.equal(a, b)
 
 
+def test_a_tied_embedding_gradient_is_scattered_into_the_heads():
+    """``head + scatter(zeros, ids, rows)`` (the embedding's gradient summed with the head's):
+    the scatter goes into the head's gradient, with no third buffer."""
+    def backward(g, h, ids, rows):
+        head = aten.mm.default(g, h)
+        zeros = aten.full.default([8, 4], 0, dtype=torch.float32, layout=torch.strided, device="cpu",
+                                  pin_memory=False)
+        mask = aten.unsqueeze.default(aten.ne.Scalar(ids, -1), -1)
+        emb = aten._unsafe_masked_index_put_accumulate.default(zeros, mask, [ids], rows)
+        return (aten.add.Tensor(head, emb),)
+
+    args = (torch.randn(8, 3), torch.randn(3, 4), torch.tensor([1, 5, 1, 7]), torch.randn(4, 4))
+    gm = make_fx(backward)(*args)
+    out = for_inductor(gm, set())
+    assert not _calls(out, aten.add.Tensor) and not _calls(out, aten.full.default)
+    (scatter,) = _calls(out, aten._unsafe_masked_index_put_accumulate.default)
+    assert scatter.args[0].target is aten.mm.default
+    torch.testing.assert_close(out(*args)[0], gm(*args)[0], rtol=0, atol=1e-6)  # another order of the same sum
+
+
 def _peak(step) -> int:
     step()
     step()

@@ -19,8 +19,11 @@ on a copy of the backward (the report reads the split's own):
   runs the matmul when ``c`` is ready. With tied embeddings the head's weight gradient then waited
   for the embedding's, keeping the vocabulary-sized logits gradient alive through the whole
   backward: GPT-2 small at full size measured 821 MiB against 769 for HF checkpointing.
-  :func:`keep_early_matmuls` wraps such an add in ``control_deps``, which the pattern does not
-  match.
+  The add is wrapped in ``control_deps``, which the pattern does not match.
+- **Sums in new buffers.** The tied embedding's gradient was the head's plus a scatter into
+  zeros, summed into a third vocabulary-sized buffer at the end of the backward (GPT-2 small:
+  787 MiB). :func:`scatter_into_sums` scatters into the head's gradient instead (the sum in
+  another order: equal to float reassociation, as Inductor's own fusions are).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
     gm = fx.GraphModule(bw, graph)
     recomputed = set(recomputed)
     regenerate_random(gm, recomputed)
+    scatter_into_sums(gm)
     deps = {**_recompute_fences(gm, recomputed), **_early_matmuls(gm)}
     if deps:
         preserve_node_ordering(gm.graph, deps)
@@ -148,3 +152,45 @@ def _early_matmuls(bw: fx.GraphModule) -> dict[fx.Node, OrderedSet[fx.Node]]:
                     and (i := bisect.bisect_right(heavy, pos[mm])) < len(heavy) and heavy[i] < pos[other]):
                 deps[n] = OrderedSet([mm])
     return deps
+
+
+_SCATTERS = (aten._unsafe_masked_index_put_accumulate.default, aten.index_put.default)
+
+
+def _scatter_into_zeros(n: fx.Node) -> bool:
+    """An accumulating scatter into a fresh zero tensor read only here (an embedding's gradient)."""
+    if not (isinstance(n, fx.Node) and n.target in _SCATTERS and len(n.users) == 1):
+        return False
+    if n.target is aten.index_put.default and not (len(n.args) > 3 and n.args[3] is True):
+        return False
+    base = n.args[0]
+    return (isinstance(base, fx.Node) and len(base.users) == 1
+            and (base.target is aten.zeros.default or (base.target is aten.full.default and base.args[1] == 0)))
+
+
+def scatter_into_sums(bw: fx.GraphModule) -> int:
+    """``add(a, scatter(zeros, ...))`` -> ``scatter(a, ...)`` where ``a`` has the sum's shape and
+    dtype (rewrites ``bw`` in place); returns how many sums were rewritten."""
+    count = 0
+    for n in list(bw.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.add.Tensor or n.kwargs or len(n.args) != 2:
+            continue
+        for a, sc in (n.args, n.args[::-1]):
+            if not (_scatter_into_zeros(sc) and isinstance(a, fx.Node)):
+                continue
+            va, vn = a.meta.get("val"), n.meta.get("val")
+            if not (isinstance(va, torch.Tensor) and va.shape == vn.shape and va.dtype == vn.dtype):
+                continue
+            zeros = sc.args[0]
+            with bw.graph.inserting_before(n):
+                new = bw.graph.call_function(sc.target, (a, *sc.args[1:]), dict(sc.kwargs))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            for dead in (n, sc, zeros):
+                bw.graph.erase_node(dead)
+            count += 1
+            break
+    if count:
+        bw.graph.lint()
+        bw.recompile()
+    return count
