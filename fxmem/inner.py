@@ -17,6 +17,7 @@ from .graph.inplace import COMMUTATIVE, INPLACE, INTO_FIRST
 from .graph.liveness import last_reads, storage_roots
 
 aten = torch.ops.aten
+CONTROL_DEPS = "torch.ops.higher_order.control_deps"  # the name Inductor's cacheable() looks up
 
 def _fresh_contiguous(val, like) -> bool:
     return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.shape == like.shape
@@ -117,13 +118,18 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
 
     if inner == "eager":
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition_fn)(gm, example_inputs)
+    import torch._inductor.config as inductor_config
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
     # A hit in AOTAutograd's cache skips the partitioner, so the graph would have no plan or
-    # report; Inductor's FX graph cache still serves the compiled forward and backward.
+    # report; Inductor's FX graph cache still serves the compiled forward and backward. The
+    # backward orders its kernels with control_deps (``remat.fences``), which Inductor's cache
+    # refuses unless marked: its subgraphs are submodules, pickled into the key like the graph.
+    cacheable = {**inductor_config.unsafe_marked_cacheable_functions, CONTROL_DEPS: torch.__version__}
+    patches = {"custom_partitioner_fn": partition_fn, "unsafe_marked_cacheable_functions": cacheable}
     with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partition_fn})
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def compile_safe(gm: fx.GraphModule, example_inputs: list):

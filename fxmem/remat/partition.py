@@ -18,8 +18,8 @@ from ..graph.sizes import SymbolicSizes
 from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
-from .plan import plan
 from .fences import for_inductor
+from .plan import plan
 from .replay import make_replayable
 from .split import split
 
