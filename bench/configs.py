@@ -13,6 +13,7 @@ a name, a *kind* (how it is built) and an options dict that the kind interprets:
                     partitioner runs with torch._functorch.config.activation_memory_budget set to
                     it (for this compile only), every other option goes to Inductor's config
     fxmem           torch.compile(backend="fxmem", options=<options>)
+    floor           no step: the model's physical floor (bench/floor.py), measured by the worker
 
 Adding a configuration is one line in CONFIGS (or ``register(...)``), e.g.
 
@@ -234,6 +235,12 @@ def _fxmem(model, cfg: Config):
     return torch.compile(model, backend="fxmem", options=opts)
 
 
+def _floor(model, cfg: Config):
+    """Not a step: bench/worker.py measures the model's physical floor (bench/floor.py) instead."""
+    _no_options(cfg)
+    return model
+
+
 KINDS: dict[str, Callable[[Any, Config], Any]] = {
     "eager": _eager,
     "hf_ckpt": _hf_ckpt,
@@ -242,6 +249,7 @@ KINDS: dict[str, Callable[[Any, Config], Any]] = {
     "mincut_eager": _mincut_eager,
     "inductor": _inductor,
     "fxmem": _fxmem,
+    "floor": _floor,
 }
 
 CONFIGS: list[Config] = [
@@ -258,6 +266,8 @@ CONFIGS: list[Config] = [
            description="Inductor with torch._functorch.config.activation_memory_budget = 0.5"),
     Config("inductor+budget0.1", "inductor", {"activation_memory_budget": 0.1},
            description="Inductor with torch._functorch.config.activation_memory_budget = 0.1"),
+    Config("floor", "floor", description="the physical floor (bench/floor.py): parameter gradients + layer "
+           "boundaries + max(one layer's working set, the loss's working set), measured in eager; no step is timed"),
     Config("fxmem-eager", "fxmem", {"inner": "eager"}, description="fxmem with the eager inner compiler"),
     Config("fxmem-inductor", "fxmem", {"inner": "inductor"}, description="fxmem with the Inductor inner compiler"),
     # The recompute planner (issue "[planner]"): level 1 and the memory-budget sweep.

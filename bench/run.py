@@ -140,13 +140,17 @@ def annotate(results: list[dict]) -> None:
     inductor = {r["model"]: r for r in ok if r["config"] == "inductor"}
     for r in ok:
         b = base.get(r["model"])
+        if "floor" in r:
+            r["check"] = _floor_terms(r["floor"])
         if b is None:
-            r["check"] = "no eager baseline"
+            r.setdefault("check", "no eager baseline")
             continue
         if b["peak_bytes"]:
             r["peak_vs_eager"] = r["peak_bytes"] / b["peak_bytes"]
-        if b["step_time_median_s"]:
+        if b["step_time_median_s"] and r["step_time_median_s"] is not None:
             r["time_vs_eager"] = r["step_time_median_s"] / b["step_time_median_s"]
+        if "floor" in r:
+            continue
         ref, against = b, ""
         if _own_masks(r):
             if r["config"] == "inductor" or r["model"] not in inductor:
@@ -163,11 +167,21 @@ def annotate(results: list[dict]) -> None:
         r["check"] = ("ok" if not bad else "MISMATCH " + ", ".join(bad)) + against
 
 
+def _floor_terms(f: dict) -> str:
+    mib = {k: f"{v / MIB:.1f}" for k, v in f.items()}
+    return (f"floor: grads {mib['grads']} + boundaries {mib['boundaries']} + max(layer {mib['layer_working_set']}, "
+            f"loss {mib['loss_working_set']}) MiB")
+
+
 def first_line(r: dict) -> str:
     """The first line of a failed run's reason (the worker's ``reason_first_line`` if it has one)."""
     if r.get("reason_first_line"):
         return r["reason_first_line"]
     return (r.get("reason", "").strip().splitlines() or [""])[0]
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3
 
 
 def _f(x, fmt: str, suffix: str = "") -> str:
@@ -209,7 +223,7 @@ def markdown(doc: dict) -> str:
             graphs += f" (+{r['recompiles']} recompiled)"
         lines.append(
             f"| {r['model']} | {name} | {_f(mib(r['peak_bytes']), '.1f')} | {_f(r.get('peak_vs_eager'), '.2f')} | "
-            f"{_f(mib(r.get('fwd_live_bytes')), '.1f')} | {_f(r['step_time_median_s'] * 1e3, '.0f')} | "
+            f"{_f(mib(r.get('fwd_live_bytes')), '.1f')} | {_f(_ms(r['step_time_median_s']), '.0f')} | "
             f"{_f(r.get('time_vs_eager'), '.2f')} | {_f(r['compile_s'], '.1f')} | {graphs} | {r.get('check', '')} |"
         )
     lines.append("")
@@ -237,6 +251,8 @@ def _summary(r: dict) -> str:
     head = f"{r['model']:<10} {r['config']:<22}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {first_line(r)[:300]}"
+    if "floor" in r:
+        return f"{head} {_floor_terms(r['floor'])}, total {r['peak_bytes'] / MIB:.1f} MiB"
     return (f"{head} peak {r['peak_bytes'] / MIB:8.1f} MiB  step {r['step_time_median_s'] * 1e3:7.0f} ms  "
             f"compile {r['compile_s']:5.1f} s  loss {r['loss']:.6f}")
 

@@ -90,6 +90,14 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
     result["batch_size"] = batch_size = next(iter(batch.values())).shape[0]
 
+    if cfg.kind == "floor":
+        from floor import physical_floor
+
+        terms = physical_floor(model, wl.loss, batch, device)
+        return {**result, "status": "ok", "floor": terms, "peak_bytes": terms["total"],
+                "peak_bytes_all": [terms["total"]], "fwd_live_bytes": None, "step_time_median_s": None,
+                "step_times_s": [], "first_step_s": None, "compile_s": None, "graphs": 0, "recompiles": 0,
+                "graph_breaks": 0}
     try:
         fn = configs.build(model, cfg)
     except configs.Skip as e:

@@ -1,6 +1,7 @@
 """bench/configs.py: budget configurations at any fraction, and clear errors."""
 
 import pytest
+import torch
 from helpers import load_bench_module
 
 configs = load_bench_module("configs")
@@ -86,3 +87,69 @@ def test_inductor_rows_of_a_dropout_model_are_checked_against_plain_inductor():
     no_dropout = [row("eager", 1.0, 1.0, dropout=0.0), row("fxmem-inductor", 1.1, 1.0, dropout=0.0)]
     run.annotate(no_dropout)
     assert no_dropout[1]["check"] == "MISMATCH loss 1.0e-01"
+
+
+class _Chain(torch.nn.Module):
+    """Three bias-free d x d linears and a head: every term of the floor is known in closed form."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(3))
+        self.head = torch.nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_the_floor_of_a_linear_chain_is_its_closed_form():
+    floor = load_bench_module("floor")
+    n, d = 64, 32
+    model = _Chain(d)
+    terms = floor.physical_floor(model, lambda out: out.sum(), {"x": torch.randn(n, d)})
+    f32 = 4
+    assert terms["grads"] == (3 * d * d + d) * f32
+    assert terms["boundaries"] == 3 * n * d * f32
+    # one layer alone: its output, the incoming gradient (ones) and the input's gradient
+    assert terms["layer_working_set"] == 3 * n * d * f32
+    assert terms["total"] == terms["grads"] + terms["boundaries"] + max(terms["layer_working_set"],
+                                                                        terms["loss_working_set"])
+    assert all(p.grad is None for p in model.parameters())  # the model is left as it was given
+
+
+def test_the_floor_of_gpt2_finds_its_blocks_and_is_below_eager():
+    from fxmem.models import build
+    from fxmem.profiling import step_perf
+
+    floor = load_bench_module("floor")
+    w = build("hf_gpt2", batch=2, seq=32, vocab=128, d=32, layers=3, heads=2, dropout=0.1)
+    (parent, attr, blocks), = floor.layer_stacks(w.model)
+    assert attr == "h" and len(blocks) == 3
+    terms = floor.physical_floor(w.model, w.loss, w.batch)
+    assert terms["boundaries"] == 3 * 2 * 32 * 32 * 4
+    assert terms["layer_working_set"] > 0 and terms["loss_working_set"] > 0
+    for _ in range(2):
+        w.model.zero_grad(set_to_none=True)
+        with step_perf("cpu") as perf:
+            w.loss(w.model(**w.batch)).backward()
+    assert terms["total"] < perf.result.peak_bytes
+
+
+def test_a_model_without_repeated_layers_has_no_floor():
+    floor = load_bench_module("floor")
+    with pytest.raises(ValueError, match="no stack of repeated layers"):
+        floor.physical_floor(torch.nn.Linear(2, 1), lambda out: out.sum(), {"input": torch.randn(4, 2)})
+
+
+def test_the_floor_row_shows_its_terms_and_no_loss_check():
+    run = load_bench_module("run")
+    mib = 2**20
+    rows = [{"model": "m", "config": "eager", "status": "ok", "loss": 1.0, "grad_norm": 1.0, "peak_bytes": 10 * mib,
+             "step_time_median_s": 1.0},
+            {"model": "m", "config": "floor", "status": "ok", "peak_bytes": 4 * mib, "step_time_median_s": None,
+             "floor": {"grads": mib, "boundaries": mib, "layer_working_set": 2 * mib, "loss_working_set": mib,
+                       "total": 4 * mib}}]
+    run.annotate(rows)
+    assert rows[1]["check"] == "floor: grads 1.0 + boundaries 1.0 + max(layer 2.0, loss 1.0) MiB"
+    assert rows[1]["peak_vs_eager"] == 0.4 and "time_vs_eager" not in rows[1]

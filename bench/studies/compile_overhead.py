@@ -27,8 +27,11 @@ import fxmem  # noqa: E402,F401  (registers the backend)
 from fxmem.models import build  # noqa: E402
 
 LAYERS, REPEATS = 32, 3
-CONFIGS = {"aot_eager": ("aot_eager", None), "fxmem level 0": ("fxmem", {"inner": "eager", "lowering": False}),
-           "fxmem level 1": ("fxmem", {"inner": "eager", "level": 1, "lowering": False})}
+CONFIGS = {"aot_eager": ("aot_eager", None),
+           "fxmem level 0": ("fxmem", {"inner": "eager"}),
+           "fxmem level 1": ("fxmem", {"inner": "eager", "level": 1}),
+           "fxmem level 0, lowering off": ("fxmem", {"inner": "eager", "lowering": False}),
+           "fxmem level 1, lowering off": ("fxmem", {"inner": "eager", "level": 1, "lowering": False})}
 
 
 def first_step(backend: str, options: dict | None) -> float:
