@@ -266,8 +266,8 @@ CONFIGS: list[Config] = [
            description="Inductor with torch._functorch.config.activation_memory_budget = 0.5"),
     Config("inductor+budget0.1", "inductor", {"activation_memory_budget": 0.1},
            description="Inductor with torch._functorch.config.activation_memory_budget = 0.1"),
-    Config("floor", "floor", description="the physical floor (bench/floor.py): parameter gradients + layer "
-           "boundaries + max(one layer's working set, the loss's working set), measured in eager; no step is timed"),
+    Config("floor", "floor", description="the physical floor (bench/floor.py): max(parameter gradients, layer "
+           "boundaries + max(one layer's working set, the loss's working set)), measured in eager; no step is timed"),
     Config("fxmem-eager", "fxmem", {"inner": "eager"}, description="fxmem with the eager inner compiler"),
     Config("fxmem-inductor", "fxmem", {"inner": "inductor"}, description="fxmem with the Inductor inner compiler"),
     # The recompute planner (issue "[planner]"): level 1 and the memory-budget sweep.

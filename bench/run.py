@@ -169,8 +169,8 @@ def annotate(results: list[dict]) -> None:
 
 def _floor_terms(f: dict) -> str:
     mib = {k: f"{v / MIB:.1f}" for k, v in f.items()}
-    return (f"floor: grads {mib['grads']} + boundaries {mib['boundaries']} + max(layer {mib['layer_working_set']}, "
-            f"loss {mib['loss_working_set']}) MiB")
+    return (f"floor: max(grads {mib['grads']}, boundaries {mib['boundaries']} + max(layer "
+            f"{mib['layer_working_set']}, loss {mib['loss_working_set']})) MiB")
 
 
 def first_line(r: dict) -> str:
