@@ -236,9 +236,10 @@ def _fxmem(model, cfg: Config):
 
 
 def _floor(model, cfg: Config):
-    """Not a step: bench/worker.py measures the model's physical floor (bench/floor.py) instead."""
+    """Not a step: bench/worker.py measures the model's physical floor (bench/floor.py) instead;
+    anything else that builds steps (bench/studies/interleaved.py) leaves it out."""
     _no_options(cfg)
-    return model
+    raise Skip("'floor' is not a step: bench/run.py measures it (bench/floor.py)")
 
 
 KINDS: dict[str, Callable[[Any, Config], Any]] = {

@@ -79,16 +79,14 @@ def _layer_working_set(model: nn.Module, layer: nn.Module, batch: dict, device: 
     forward + backward on that input with its parameters' gradients taken off."""
     args, kwargs = _first_inputs(model, layer, batch)
     if args and isinstance(args[0], torch.Tensor):
-        x, rest, key = args[0], args[1:], None
+        x, call = args[0], lambda xi: layer(xi, *args[1:], **kwargs)
     elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        x, rest, key = kwargs["hidden_states"], args, "hidden_states"
+        x, call = kwargs["hidden_states"], lambda xi: layer(*args, **{**kwargs, "hidden_states": xi})
     else:
         raise ValueError(f"floor: cannot find the hidden-state input of {type(layer).__name__}")
 
     def step():
-        xi = x.detach().requires_grad_(x.is_floating_point())
-        kw = {**kwargs, key: xi} if key else kwargs
-        out = layer(*((xi,) + tuple(rest) if key is None else rest), **kw)
+        out = call(x.detach().requires_grad_(x.is_floating_point()))
         out = out[0] if isinstance(out, (tuple, list)) else out
         out.backward(torch.ones_like(out))
 
