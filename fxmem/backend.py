@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from . import inner, lowering, per_example
 from .compilation import Compilation, Compiled
-from .fallback import stage_failed
+from .fallback import is_failure, stage_failed
 from .graph.sizes import model_state_bytes, static_dims
 from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
@@ -81,8 +81,7 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
             compiled, partitioner = trial.compiled, trial.partitioner
             trial.warn()
         else:
-            partitioner = Partitioner(opts)
-            compiled = inner.compile_joint(lowered_gm, example_inputs, opts.inner, partitioner)
+            partitioner, compiled, lowered = _compile_lowered(gm, lowered_gm, lowered, example_inputs, opts)
     except Exception as e:  # noqa: BLE001
         stage_failed("compile", e, opts)
         return inner.compile_safe(gm, example_inputs)  # the graph as Dynamo gave it: no lowering
@@ -93,25 +92,47 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
 
 def _lower(gm: fx.GraphModule, example_inputs: list[Any],
            opts: Options) -> tuple[fx.GraphModule, lowering.Lowering, _Trial | None]:
-    """Pattern lowering, kept only if it lowers the step's simulated peak: the lowered and the
-    unlowered graph are both planned (AOTAutograd with the eager inner compiler, which traces and
-    plans but runs nothing) and the lowered one must peak lower, and plan where the unlowered one
-    plans (the report says so otherwise; a tie is declined: the fused kernels' own buffers are
-    the estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
-    :class:`_Trial` or None)."""
+    """Pattern lowering. Proven matches (they never raise the planned peak:
+    :attr:`fxmem.lowering.patterns.Match.proven`) are applied as they are; where the others match,
+    the graph with every match and the graph with the proven ones alone are both planned
+    (AOTAutograd with the eager inner compiler, which traces and plans but runs nothing) and the
+    others are kept only if they lower the peak, and plan where the proven-only graph plans (the
+    report says so otherwise; a tie is declined: the fused kernels' own buffers are the
+    estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
+    :class:`_Trial`, or None where nothing was compared)."""
     lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
-    if not lowered.lowered:
+    unproven = sorted({x.pattern for x in lowered.unproven()})
+    if not unproven:
         return lowered_gm, lowered, None
-    with_trial, without_trial = _trial(lowered_gm, example_inputs, opts), _trial(gm, example_inputs, opts)
+    base_gm, _ = lowering.lower(gm, example_inputs, opts, proven_only=True)
+    with_trial, without_trial = _trial(lowered_gm, example_inputs, opts), _trial(base_gm, example_inputs, opts)
     with_lowering, without = (t.peak if t is not None else None for t in (with_trial, without_trial))
-    log.debug("fxmem lowering: planned peak %s bytes lowered, %s unlowered", with_lowering, without)
+    log.debug("fxmem lowering: planned peak %s bytes with %s, %s without", with_lowering, unproven, without)
     if with_lowering is None and without is not None:
-        return gm, lowered.declined("not applied: the graph with lowering could not be planned (e.g. a fused "
-                                    "kernel's backward differentiated again); the unlowered one could"), without_trial
+        return base_gm, lowered.declined_unproven(
+            "not applied: the graph with it could not be planned (e.g. a fused kernel's backward "
+            "differentiated again); the graph without it could"), without_trial
     if with_lowering is not None and without is not None and with_lowering >= without:
-        return gm, lowered.declined(f"not applied: the plan with lowering peaks at {with_lowering:,} bytes, "
-                                    f"not below {without:,} without it"), without_trial
+        return base_gm, lowered.declined_unproven(f"not applied: the plan with it peaks at {with_lowering:,} bytes, "
+                                                  f"not below {without:,} without it"), without_trial
     return lowered_gm, lowered, with_trial
+
+
+def _compile_lowered(gm: fx.GraphModule, lowered_gm: fx.GraphModule, lowered: lowering.Lowering,
+                     example_inputs: list[Any], opts: Options) -> tuple[Partitioner, Callable, lowering.Lowering]:
+    """The lowered graph compiled and planned; where that fails (e.g. a fused kernel's backward
+    differentiated again), the unlowered graph, with the report saying why."""
+    partitioner = Partitioner(opts)
+    try:
+        return partitioner, inner.compile_joint(lowered_gm, example_inputs, opts.inner, partitioner), lowered
+    except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
+        if lowered_gm is gm or not is_failure(e):
+            raise
+        log.debug("fxmem lowering: the lowered graph failed to compile (%s: %s); compiling it unlowered",
+                  type(e).__name__, e)
+        why = f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); the unlowered one could"
+        partitioner = Partitioner(opts)
+        return partitioner, inner.compile_joint(gm, example_inputs, opts.inner, partitioner), lowered.declined(why)
 
 
 @dataclass

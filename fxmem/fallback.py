@@ -22,11 +22,16 @@ log = logging.getLogger("fxmem")
 STAGES = ("per_example", "lowering", "plan", "split", "compile")
 
 
+def is_failure(error: BaseException) -> bool:
+    """A stage's failure, not the user's error or Dynamo's control flow (those always raise)."""
+    return not isinstance(error, _NOT_FAILURES)
+
+
 def stage_failed(stage: str, error: BaseException, options) -> None:
     """Re-raise ``error`` under ``strict`` (or when it is the user's error); otherwise warn once
     with the stage and the reason, and let the caller take its safe path."""
     assert stage in STAGES, stage
-    if options.strict or isinstance(error, _NOT_FAILURES):
+    if options.strict or not is_failure(error):
         raise error
     msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {error}); falling back to a safe "
            "plan for this graph (save everything, no lowering, no chunking). Pass "

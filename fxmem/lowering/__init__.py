@@ -85,6 +85,7 @@ class Lowered:
     bytes_saved: int | None   # saved-for-backward bytes, unfused minus fused (None: unknown)
     per_example: bool         # inside a vmap region
     note: str = ""
+    proven: bool = False      # never raises the planned peak (patterns.Match.proven)
 
 
 @dataclass
@@ -124,11 +125,21 @@ class Lowering:
         """The same graph with none of its matches applied, each left alone for ``why``."""
         return Lowering([], [(x.pattern, x.node, why) for x in self.lowered] + self.skipped)
 
+    def unproven(self) -> list[Lowered]:
+        return [x for x in self.lowered if not x.proven]
 
-def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx.GraphModule, Lowering]:
+    def declined_unproven(self, why: str) -> "Lowering":
+        """Only the proven matches applied; the others left alone for ``why``."""
+        return Lowering([x for x in self.lowered if x.proven],
+                        [(x.pattern, x.node, why) for x in self.unproven()] + self.skipped)
+
+
+def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
+          proven_only: bool = False) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
     as it is, for a fallback compile), and what was done. ``options.lowering``: True (all), False
-    (none) or a dict pattern -> bool (patterns not named stay on)."""
+    (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
+    matches that never raise the planned peak (:attr:`patterns.Match.proven`)."""
     result = Lowering()
     patterns = enabled(options.lowering)
     if not patterns:
@@ -151,7 +162,7 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options) -> tuple[fx
                 found = Skip(pattern.name, node, f"matcher error ({type(e).__name__}: {e})")
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
-            elif isinstance(found, Match):
+            elif isinstance(found, Match) and (found.proven or not proven_only):
                 result.lowered.append(_apply(graph, found, ctx, erased))
     if not result.lowered:
         gm = original
@@ -204,4 +215,4 @@ def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set) -> Lowered:
         if not n.users:
             graph.erase_node(n)
             erased.add(n)
-    return Lowered(m.pattern, name, saved, region is not None, m.note)
+    return Lowered(m.pattern, name, saved, region is not None, m.note, m.proven)
