@@ -130,7 +130,8 @@ def _compile_lowered(gm: fx.GraphModule, lowered_gm: fx.GraphModule, lowered: lo
             raise
         log.debug("fxmem lowering: the lowered graph failed to compile (%s: %s); compiling it unlowered",
                   type(e).__name__, e)
-        why = f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); the unlowered one could"
+        why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
+               "the unlowered one could")
         partitioner = Partitioner(opts)
         return partitioner, inner.compile_joint(gm, example_inputs, opts.inner, partitioner), lowered.declined(why)
 
