@@ -114,6 +114,34 @@ def test_a_tied_embedding_gradient_is_scattered_into_the_heads():
     torch.testing.assert_close(out(*args)[0], gm(*args)[0], rtol=0, atol=1e-6)  # another order of the same sum
 
 
+def test_an_embedding_gradient_of_a_sum_runs_as_its_own_op_after_the_sum():
+    """``scatter(zeros, ids, a + b)`` (the residual gradient plus the first norm's): the scatter
+    becomes ``fxmem::scatter_add_into_zeros``, opaque to Inductor, so the sum is a kernel of its
+    own (both summands freed before the vocabulary-sized gradient exists); same values, masked
+    rows (the padding id) included, and the summands are not changed."""
+    def backward(a, b, ids):
+        zeros = aten.full.default([8, 4], 0, dtype=torch.float32, layout=torch.strided, device="cpu",
+                                  pin_memory=False)
+        mask = aten.unsqueeze.default(aten.ne.Scalar(ids, 5), -1)  # padding id 5
+        rows = aten.add.Tensor(aten.mul.Tensor(a, 2.0), b)
+        return (aten._unsafe_masked_index_put_accumulate.default(zeros, mask, [ids], rows),)
+
+    args = (torch.randn(6, 4), torch.randn(6, 4), torch.tensor([1, 5, 1, 7, 0, 5]))
+    gm = make_fx(backward)(*args)
+    kept = [t.clone() for t in args]
+    out = for_inductor(gm, set())
+    assert not _calls(out, aten._unsafe_masked_index_put_accumulate.default) and not _calls(out, aten.full.default)
+    (op,) = _calls(out, torch.ops.fxmem.scatter_add_into_zeros.default)
+    assert op.args[2].target is aten.add.Tensor
+    got, want = out(*args)[0], gm(*args)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not got[5].any()
+    for t, k in zip(args, kept):
+        assert torch.equal(t, k)
+    compiled = torch.compile(out, backend="inductor")  # re-inplaced: no clone of the sum
+    torch.testing.assert_close(compiled(*args)[0], want, rtol=0, atol=1e-6)
+
+
 def _peak(step) -> int:
     step()
     step()

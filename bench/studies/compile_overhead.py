@@ -27,11 +27,15 @@ import fxmem  # noqa: E402,F401  (registers the backend)
 from fxmem.models import build  # noqa: E402
 
 LAYERS, REPEATS = 32, 3
+NORMS_ONLY = {"fused_linear_cross_entropy": False, "swiglu": False}  # Llama's matches but the norms
 CONFIGS = {"aot_eager": ("aot_eager", None),
            "fxmem level 0": ("fxmem", {"inner": "eager"}),
            "fxmem level 1": ("fxmem", {"inner": "eager", "level": 1}),
            "fxmem level 0, lowering off": ("fxmem", {"inner": "eager", "lowering": False}),
-           "fxmem level 1, lowering off": ("fxmem", {"inner": "eager", "level": 1, "lowering": False})}
+           "fxmem level 1, lowering off": ("fxmem", {"inner": "eager", "level": 1, "lowering": False}),
+           # the proven patterns alone (the norms here): lowered without comparing plans
+           "fxmem level 0, norms only": ("fxmem", {"inner": "eager", "lowering": NORMS_ONLY}),
+           "fxmem level 1, norms only": ("fxmem", {"inner": "eager", "level": 1, "lowering": NORMS_ONLY})}
 
 
 def first_step(backend: str, options: dict | None) -> float:
