@@ -1,4 +1,6 @@
 """The backend's per-example pass: vmap(grad) regions run in microbatches, results unchanged."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -199,7 +201,10 @@ def test_grad_mode_inputs_fall_back_with_a_warning():
     # the graph is planned (no failed stage), unlowered.
     (g,) = [g for c in fxmem.compilations(fn) for g in c.graphs]
     assert not g.report.lowerings and g.plan is not None
-    assert any("not applied: the graph with lowering could not be compiled" in n for n in g.report.lowering_notes)
+    # (declined by the plan comparison, or, where nothing is compared, by the compile itself)
+    assert g.report.lowering_notes and all(
+        re.search(r"not applied: the graph with (it|lowering) could not be (planned|compiled)", n)
+        for n in g.report.lowering_notes), g.report.lowering_notes
 
 
 def test_report_lists_the_microbatching_decision():

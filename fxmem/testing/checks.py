@@ -120,12 +120,12 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
 
 
 def _unoptimized(options: Mapping[str, Any]):
-    """A backend that lowers patterns as fxmem would with ``options`` and then splits the joint
+    """A backend that lowers patterns as fxmem decides to with ``options`` and then splits the joint
     graph as a plain partition would (keep everything the backward reads), through fxmem's own
     split and the eager inner compiler: fxmem without its recompute planner."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from .. import lowering
+    from ..backend import _lower
     from ..graph.joint import JointGraph
     from ..inner import eager
     from ..options import resolve
@@ -139,7 +139,7 @@ def _unoptimized(options: Mapping[str, Any]):
         return result.fw, result.bw
 
     def backend(gm, example_inputs):
-        gm, _ = lowering.lower(gm, example_inputs, opts)
+        gm = _lower(gm, example_inputs, opts)[0]  # fxmem's own decision: the kept lowerings draw alike
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
 
     return backend
