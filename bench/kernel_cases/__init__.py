@@ -2,7 +2,7 @@
 
 A Case builds its inputs once and names several variants of the same computation; the first
 variant is the reference (the unfused PyTorch expression). Every variant is a function of the
-inputs that returns a scalar loss; ``bench/kernels.py`` runs forward + backward of each, checks
+inputs that returns a scalar loss; ``bench/fused_kernels.py`` runs forward + backward of each, checks
 the loss and the gradients against the reference, and measures peak memory and time side by
 side.
 """

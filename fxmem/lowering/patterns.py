@@ -253,7 +253,7 @@ def _glu_finder(name: str, activations: tuple[str, ...]) -> Finder:
             nodes = _ordered([a, n])
             if not _whole(nodes, n):
                 return Skip(name, n, "the activation's output is used by other ops")
-            return Match(name, n, nodes, fn.glu, (gate, up), dict(activation=activation))
+            return Match(name, n, nodes, fn.glu, (gate, up), dict(activation=activation), proven=True)
         return None
 
     return find
@@ -387,9 +387,9 @@ def find_bias_gelu(n: fx.Node, ctx: Context):
         if op(n) == "gelu":
             return None  # F.gelu without a bias: nothing to fuse
         return Match(name, out, nodes, fn.bias_gelu, (z, None), dict(approximate=approx),
-                     "GELU written out in pointwise ops, no bias")
+                     "GELU written out in pointwise ops, no bias", proven=True)
     extra, call, args, kwargs = bias
-    return Match(name, out, _ordered(extra + nodes), call, args, dict(kwargs, approximate=approx))
+    return Match(name, out, _ordered(extra + nodes), call, args, dict(kwargs, approximate=approx), proven=True)
 
 
 # -- RMSNorm written out --------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Kernel benchmark: every fused kernel against its unfused PyTorch expression, side by side.
+(Not ``kernels.py``: a script's folder is on sys.path, and transformers imports the Hugging Face
+``kernels`` distribution, which the file would shadow.)
 
-    python bench/kernels.py                       # all families, bench shapes (CPU: ~10 min)
-    python bench/kernels.py --quick               # small shapes: writes kernels-quick.*
-    python bench/kernels.py --families linear_cross_entropy --steps 9
+    python bench/fused_kernels.py                       # all families, bench shapes (CPU: ~10 min)
+    python bench/fused_kernels.py --quick               # small shapes: writes kernels-quick.*
+    python bench/fused_kernels.py --families linear_cross_entropy --steps 9
 
 For each case (bench/kernel_cases/) and each variant: loss and gradients are checked against the
 first variant (the unfused reference); peak memory of one forward + backward is measured exactly
