@@ -95,11 +95,12 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any],
            opts: Options) -> tuple[fx.GraphModule, lowering.Lowering, _Trial | None]:
     """Pattern lowering. Proven matches (they never raise the planned peak:
     :attr:`fxmem.lowering.patterns.Match.proven`) are applied as they are; where the others match,
-    the graph with every match and the graph with the proven ones alone are both planned
-    (AOTAutograd with the eager inner compiler, which traces and plans but runs nothing) and the
-    others are kept only if they lower the peak, and plan where the proven-only graph plans (the
-    report says so otherwise; a tie is declined: the fused kernels' own buffers are the
-    estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
+    the graph with every match is planned (AOTAutograd with the eager inner compiler, which traces
+    and plans but runs nothing). If the fused loss is the only other match and none of its
+    buffers is alive at that plan's peak, it is kept (see :func:`_peak_clear_of_loss`); else the
+    graph with the proven ones alone is planned too and the others are kept only if they lower
+    the peak, and plan where the proven-only graph plans (the report says so otherwise; a tie is
+    declined: the fused kernels' own buffers are the estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
     :class:`_Trial`, or None where nothing was compared)."""
     lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
     unproven = sorted({x.pattern for x in lowered.unproven()})
@@ -135,8 +136,9 @@ def _peak_clear_of_loss(trial: _Trial) -> bool:
     graph without it differs from this one only there (it holds the logits instead), so its peak
     is no lower, and the second trace and plan that would show it (a third of a 32-layer
     compile) are skipped."""
-    for g in trial.partitioner.planned:
-        if graph_peak(g) != trial.peak:
+    peaks = [graph_peak(g) for g in trial.partitioner.planned]
+    for g, p in zip(trial.partitioner.planned, peaks):
+        if p != max(peaks):
             continue
         mine = set()
         for gm in (g.split.fw, g.split.bw):
