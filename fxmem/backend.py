@@ -100,8 +100,9 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any],
     buffers is alive at that plan's peak, it is kept (see :func:`_peak_clear_of_loss`); else the
     graph with the proven ones alone is planned too and the others are kept only if they lower
     the peak, and plan where the proven-only graph plans (the report says so otherwise; a tie is
-    declined: the fused kernels' own buffers are the estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
-    :class:`_Trial`, or None where nothing was compared)."""
+    declined: the fused kernels' own buffers are the estimate's least certain part). Returns
+    (graph, what was lowered, the chosen graph's :class:`_Trial`, or None where nothing was
+    compared)."""
     lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
     unproven = sorted({x.pattern for x in lowered.unproven()})
     if not unproven:
