@@ -22,7 +22,6 @@ import torch.fx as fx
 from . import inner, lowering, per_example
 from .compilation import Compilation, Compiled
 from .fallback import is_failure, stage_failed
-from .graph.liveness import step_peaks
 from .graph.sizes import model_state_bytes, static_dims
 from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
@@ -95,24 +94,18 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any],
            opts: Options) -> tuple[fx.GraphModule, lowering.Lowering, _Trial | None]:
     """Pattern lowering. Proven matches (they never raise the planned peak:
     :attr:`fxmem.lowering.patterns.Match.proven`) are applied as they are; where the others match,
-    the graph with every match is planned (AOTAutograd with the eager inner compiler, which traces
-    and plans but runs nothing). If the fused loss is the only other match and none of its
-    buffers is alive at that plan's peak, it is kept (see :func:`_peak_clear_of_loss`); else the
-    graph with the proven ones alone is planned too and the others are kept only if they lower
-    the peak, and plan where the proven-only graph plans (the report says so otherwise; a tie is
-    declined: the fused kernels' own buffers are the estimate's least certain part). Returns
-    (graph, what was lowered, the chosen graph's :class:`_Trial`, or None where nothing was
-    compared)."""
+    the graph with every match and the graph with the proven ones alone are both planned
+    (AOTAutograd with the eager inner compiler, which traces and plans but runs nothing) and the
+    others are kept only if they lower the peak, and plan where the proven-only graph plans (the
+    report says so otherwise; a tie is declined: the fused kernels' own buffers are the
+    estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
+    :class:`_Trial`, or None where nothing was compared)."""
     lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
     unproven = sorted({x.pattern for x in lowered.unproven()})
     if not unproven:
         return lowered_gm, lowered, None
-    with_trial = _trial(lowered_gm, example_inputs, opts)
-    if unproven == [LOSS] and with_trial is not None and _peak_clear_of_loss(with_trial):
-        log.debug("fxmem lowering: the planned peak holds none of the fused loss's buffers: kept, not compared")
-        return lowered_gm, lowered, with_trial
     base_gm, _ = lowering.lower(gm, example_inputs, opts, proven_only=True)
-    without_trial = _trial(base_gm, example_inputs, opts)
+    with_trial, without_trial = _trial(lowered_gm, example_inputs, opts), _trial(base_gm, example_inputs, opts)
     with_lowering, without = (t.peak if t is not None else None for t in (with_trial, without_trial))
     log.debug("fxmem lowering: planned peak %s bytes with %s, %s without", with_lowering, unproven, without)
     if with_lowering is None and without is not None:
@@ -123,37 +116,6 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any],
         return base_gm, lowered.declined_unproven(f"not applied: the plan with it peaks at {with_lowering:,} bytes, "
                                                   f"not below {without:,} without it"), without_trial
     return lowered_gm, lowered, with_trial
-
-
-LOSS = "fused_linear_cross_entropy"
-# The fused loss's ops (fwd, bwd, and the returned logits' backward): what they allocate and what
-# they keep exists only in the lowered graph.
-_LOSS_OPS = frozenset({"linear_cross_entropy", "linear_cross_entropy_backward", "linear_backward_unless_zero"})
-
-
-def _peak_clear_of_loss(trial: _Trial) -> bool:
-    """Whether no buffer of the fused loss (its outputs, their kept copies, its scratch) is alive
-    at the planned step peak. The loss is the forward's last op and the backward's first: the
-    graph without it differs from this one only there (it holds the logits instead), so its peak
-    is no lower, and the second trace and plan that would show it (a third of a 32-layer
-    compile) are skipped."""
-    peaks = [graph_peak(g) for g in trial.partitioner.planned]
-    for g, p in zip(trial.partitioner.planned, peaks):
-        if p != max(peaks):
-            continue
-        mine = set()
-        for gm in (g.split.fw, g.split.bw):
-            for n in gm.graph.nodes:
-                t = n.target
-                if n.op == "call_function" and getattr(t, "namespace", None) == "fxmem" \
-                        and getattr(t, "_opname", None) in _LOSS_OPS:
-                    mine |= {n.name, f"{n.name}.scratch", *(u.name for u in n.users)}
-        if not mine:
-            continue
-        for moment in step_peaks(g.split.fw, g.split.bw, g.sizes, g.primal_names):
-            if mine & {name for name, _ in moment.live_at_peak}:
-                return False
-    return True
 
 
 def _compile_lowered(gm: fx.GraphModule, lowered_gm: fx.GraphModule, lowered: lowering.Lowering,

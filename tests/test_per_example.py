@@ -198,13 +198,13 @@ def test_grad_mode_inputs_fall_back_with_a_warning():
     ref_sums, _ = _loop(model, params, x, y)
     torch.testing.assert_close(sums["0.weight"].detach(), ref_sums["0.weight"], rtol=1e-5, atol=1e-6)
     # The default lowering's fused loss would be differentiated twice here: it is declined, and
-    # the graph is planned (no failed stage) with the proven lowerings alone.
+    # the graph is planned (no failed stage), unlowered.
     (g,) = [g for c in fxmem.compilations(fn) for g in c.graphs]
-    assert g.plan is not None and "fused_linear_cross_entropy" not in {r.pattern for r in g.report.lowerings}
+    assert not g.report.lowerings and g.plan is not None
     # (declined by the plan comparison, or, where nothing is compared, by the compile itself)
     assert g.report.lowering_notes and all(
-        re.search(r"fused_linear_cross_entropy .*not applied: the graph with (it|lowering) could not be "
-                  r"(planned|compiled)", n) for n in g.report.lowering_notes), g.report.lowering_notes
+        re.search(r"not applied: the graph with (it|lowering) could not be (planned|compiled)", n)
+        for n in g.report.lowering_notes), g.report.lowering_notes
 
 
 def test_report_lists_the_microbatching_decision():

@@ -196,17 +196,8 @@ def kept_storages(fw: fx.GraphModule, bw: fx.GraphModule,
 
 def step_peak(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes, inputs: set[str]) -> int:
     """A training step's peak bytes at the plan shape (forward, then backward)."""
-    return step_peaks(fw, bw, sizes, inputs)[0].peak
-
-
-def step_peaks(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes,
-               inputs: set[str]) -> list[Liveness]:
-    """The moments at which a training step reaches its peak (the forward's, the backward's or
-    both where they tie), with what is alive then."""
     values = {s.name: v for s, v in sizes.values.items()}
-    phases = [peak(events, values) for events in step_schedules(fw, bw, sizes, inputs)]
-    top = max(p.peak for p in phases)
-    return [p for p in phases if p.peak == top]
+    return max(peak(events, values).peak for events in step_schedules(fw, bw, sizes, inputs))
 
 
 def simulate(gm: fx.GraphModule, sizes: SymbolicSizes, inputs_freed: bool = True) -> Liveness:
