@@ -93,18 +93,20 @@ def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> 
 def _lower(gm: fx.GraphModule, example_inputs: list[Any],
            opts: Options) -> tuple[fx.GraphModule, lowering.Lowering, _Trial | None]:
     """Pattern lowering. Proven matches (they never raise the planned peak:
-    :attr:`fxmem.lowering.patterns.Match.proven`) are applied as they are; where the others match,
+    :attr:`fxmem.lowering.patterns.Match.proven`) are applied as they are, futile ones (their sizes
+    say they cannot lower it: :attr:`~fxmem.lowering.patterns.Match.futile`) are declined; where
+    the others match,
     the graph with every match and the graph with the proven ones alone are both planned
     (AOTAutograd with the eager inner compiler, which traces and plans but runs nothing) and the
     others are kept only if they lower the peak, and plan where the proven-only graph plans (the
     report says so otherwise; a tie is declined: the fused kernels' own buffers are the
     estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
     :class:`_Trial`, or None where nothing was compared)."""
-    lowered_gm, lowered = lowering.lower(gm, example_inputs, opts)
+    lowered_gm, lowered = lowering.lower(gm, example_inputs, opts, decline_futile=True)
     unproven = sorted({x.pattern for x in lowered.unproven()})
     if not unproven:
         return lowered_gm, lowered, None
-    base_gm, _ = lowering.lower(gm, example_inputs, opts, proven_only=True)
+    base_gm, _ = lowering.lower(gm, example_inputs, opts, proven_only=True, decline_futile=True)
     with_trial, without_trial = _trial(lowered_gm, example_inputs, opts), _trial(base_gm, example_inputs, opts)
     with_lowering, without = (t.peak if t is not None else None for t in (with_trial, without_trial))
     log.debug("fxmem lowering: planned peak %s bytes with %s, %s without", with_lowering, unproven, without)

@@ -30,10 +30,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, use_cache=False))
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=128, use_cache=False))
 assert getattr(model.config, "loss_type", None) is None
 compiled = torch.compile(model, backend="fxmem", options={{"inner": "eager"}})  # default: lowering on
-ids = torch.randint(0, 512, (2, 32))
+ids = torch.randint(0, 512, (2, 128))  # logits-to-gradients ratio 2.67: the fused loss is proven
 compiled(input_ids=ids, labels=ids).loss.backward()
 import fxmem
 print("graphs", [len(c.graphs) for c in fxmem.compilations()])
@@ -151,12 +151,13 @@ def test_lowering_never_raises_the_measured_peak_of_a_tied_llama():
     """Regression: the fused cross-entropy's per-row vectors and the lowered norms' temporaries
     were not simulated; the planned peak (541 KB) was below the unlowered plan's (552 KB) while
     the lowered step measured 592 KB."""
-    torch._dynamo.reset()
-    ids = torch.randint(0, 256, (2, 32))
-    off, _ = _measured(_tied_llama(), {"level": 1, "lowering": False}, ids)
-    torch._dynamo.reset()
-    on, report = _measured(_tied_llama(), {"level": 1, "lowering": True}, ids)
-    assert on <= off, (on, off, [r.pattern for r in report.lowerings])
+    for seq in (32, 256):  # the fused loss compared (lowering=True names it), then proven by its ratio
+        torch._dynamo.reset()
+        ids = torch.randint(0, 256, (2, seq))
+        off, _ = _measured(_tied_llama(), {"level": 1, "lowering": False}, ids)
+        torch._dynamo.reset()
+        on, report = _measured(_tied_llama(), {"level": 1, "lowering": True}, ids)
+        assert on <= off, (seq, on, off, [r.pattern for r in report.lowerings])
 
 
 def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says_so(monkeypatch):
@@ -167,7 +168,7 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
     import fxmem.backend as backend
 
     torch._dynamo.reset()
-    ids = torch.randint(0, 256, (2, 32))
+    ids = torch.randint(0, 256, (2, 64))  # ratio 1.33: the fused loss is compared, not proven or futile
     off, _ = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY}, ids)
     planned, calls = backend._trial, []
 
@@ -201,9 +202,36 @@ def test_proven_matches_alone_are_applied_without_comparing_plans(monkeypatch):
     assert {r.pattern for r in report.lowerings} == {"rms_norm"}
 
 
+def test_default_lowering_decides_the_loss_and_swiglu_without_comparing_plans(monkeypatch):
+    """Default options: the fused loss at a logits-to-gradients ratio from ``CE_PROVEN_FROM`` on
+    is applied and SwiGLU (it never changed the planned peak) left alone, both without a
+    comparison; named in ``lowering``, SwiGLU is compared (and declined: a tie)."""
+    import fxmem.backend as backend
+    from fxmem.lowering.patterns import GLU_FUTILE
+
+    ids = torch.randint(0, 256, (2, 256))  # ratio 512 * 256 / (768 * 64) = 2.67
+    planned, calls = backend._trial, []
+
+    def counted(*args):
+        calls.append(args)
+        return planned(*args)
+
+    monkeypatch.setattr(backend, "_trial", counted)
+    torch._dynamo.reset()
+    _, report = _measured(_tied_llama(), {"level": 1}, ids)
+    assert calls == []
+    assert {r.pattern for r in report.lowerings} == {"fused_linear_cross_entropy", "rms_norm"}
+    assert sum(GLU_FUTILE in n and n.startswith("left alone: swiglu") for n in report.lowering_notes) == 2
+    torch._dynamo.reset()
+    _, report = _measured(_tied_llama(), {"level": 1, "lowering": {"swiglu": True}}, ids)
+    assert len(calls) == 2
+    assert {r.pattern for r in report.lowerings} == {"fused_linear_cross_entropy", "rms_norm"}
+    assert sum("not applied: the plan with it peaks at" in n for n in report.lowering_notes) == 2
+
+
 def test_default_options_lower_a_real_vocabulary_and_keep_the_gradients():
-    """Qwen2-family, vocab 8192, loss only: lowering is on by default for every pattern but
-    dropout, it lowers the peak, and the gradients equal the unlowered compile's."""
+    """Qwen2-family, vocab 8192, loss only: the default lowering fuses the loss and the norms (not
+    dropout; SwiGLU is futile), it lowers the peak, and the gradients equal the unlowered compile's."""
     from fxmem.models import build
 
     def step(options):
@@ -216,8 +244,7 @@ def test_default_options_lower_a_real_vocabulary_and_keep_the_gradients():
 
     ref_loss, ref_grads, ref_report = step({"lowering": False})
     loss, grads, rep = step({})  # the defaults
-    assert {r.pattern for r in rep.lowerings} >= {"fused_linear_cross_entropy", "rms_norm", "swiglu"}
-    assert "dropout" not in {r.pattern for r in rep.lowerings}
+    assert {r.pattern for r in rep.lowerings} == {"fused_linear_cross_entropy", "rms_norm"}  # SwiGLU: futile
     assert rep.predict_peak() < ref_report.predict_peak()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):

@@ -35,11 +35,15 @@ FUSED = {  # forward ops in the forward graph, backward ops in the backward grap
 @pytest.fixture(autouse=True)
 def _lowering_always_applies(monkeypatch):
     """This module tests what lowering does once applied, on models so small that the fused
-    kernels' fixed costs can make a plan peak higher: skip the backend's peak comparison (the
-    no-worse rule has its own tests in tests/test_defaults.py)."""
+    kernels' fixed costs can make a plan peak higher: skip the backend's peak comparison and its
+    futile-match rule (the no-worse rules have their own tests in tests/test_defaults.py and
+    tests/test_lowering_proven.py)."""
     import fxmem.backend
+    from fxmem.lowering import patterns
 
     monkeypatch.setattr(fxmem.backend, "_trial", lambda *args: None)
+    monkeypatch.setattr(patterns, "CE_FUTILE_BELOW", 0.0)
+    monkeypatch.setattr(patterns, "GLU_FUTILE", "")
 
 
 def _rel(a, b):

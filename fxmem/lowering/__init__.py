@@ -6,7 +6,8 @@ each by a call of a fused ``fxmem_kernels`` kernel, before AOTAutograd different
 
 ``options.lowering``: True (every pattern), False (none), or a dict pattern -> bool in which
 patterns not named stay on; the default, ``{"dropout": False}``, is every pattern but seeded
-dropout (see fxmem/options.py). ``lower`` works on a copy: the graph it was given stays as it
+dropout (see fxmem/options.py; the backend then declines the futile matches:
+:attr:`patterns.Match.futile`). ``lower`` works on a copy: the graph it was given stays as it
 was, for a fallback compile. The kernels run with ``impl="auto"``: their portable PyTorch
 implementations, on CUDA too unless ``FXMEM_KERNELS_TRITON=1`` (fxmem_kernels/_common.py: the
 Triton kernels are not yet tested on a GPU).
@@ -63,7 +64,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch.fx as fx
 
@@ -135,11 +136,13 @@ class Lowering:
 
 
 def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
-          proven_only: bool = False) -> tuple[fx.GraphModule, Lowering]:
+          proven_only: bool = False, decline_futile: bool = False) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
     as it is, for a fallback compile), and what was done. ``options.lowering``: True (all), False
     (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
-    matches that never raise the planned peak (:attr:`patterns.Match.proven`)."""
+    matches that never raise the planned peak (:attr:`patterns.Match.proven`);
+    ``decline_futile``: matches that cannot lower it (:attr:`patterns.Match.futile`) are left
+    alone, with that reason, unless ``options.lowering`` asks for their pattern by name (or is True)."""
     result = Lowering()
     patterns = enabled(options.lowering)
     if not patterns:
@@ -160,6 +163,9 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
             except Exception as e:  # a finder's bug must not break a compile: leave the node alone
                 log.debug("fxmem lowering: %s finder failed at %s", pattern.name, node.name, exc_info=True)
                 found = Skip(pattern.name, node, f"matcher error ({type(e).__name__}: {e})")
+            if isinstance(found, Match) and decline_futile and found.futile and not _named(options.lowering,
+                                                                                             found.pattern):
+                found = Skip(found.pattern, found.output, found.futile)
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
             elif isinstance(found, Match) and (found.proven or not proven_only):
@@ -170,6 +176,11 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
         graph.lint()
         gm.recompile()
     return gm, result
+
+
+def _named(lowering: bool | Mapping[str, bool], pattern: str) -> bool:
+    """``pattern`` asked for explicitly: ``lowering=True`` or ``{pattern: True}``."""
+    return lowering is True or (isinstance(lowering, Mapping) and lowering.get(pattern) is True)
 
 
 def _autocast(gm: fx.GraphModule) -> bool:

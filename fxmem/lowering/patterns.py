@@ -11,16 +11,17 @@ pattern (the one exception: logits that are also a graph output stay computed fo
 and dtypes are those the kernel computes. Patterns run in table order, so SwiGLU/GeGLU take
 their GELU before bias-GELU looks for one.
 
-A match is ``proven`` when its fused form never raises the planned step peak: claimed for the two
-norms, checked on the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``. The backend
-applies proven matches without comparing plans (a second AOTAutograd trace and plan: a third of a
-32-layer compile); the others are kept only where the comparison says they lower the peak
-(``fxmem.backend._lower``). Measured on the zoo (seq 64, hidden 64): the fused cross-entropy
-lowers the peak by up to 9% but raised it by 25% on BART at level 1 and by 7% on a Llama with a
-256-token vocabulary (its fixed buffers outweigh small logits); SwiGLU raised it at level 1 on
-every Llama-family model (+1.4% to +3.6%: its backward allocates both gradients while its inputs
-are alive) and never lowered it; bias-GELU lowered it by 18% on GPT-2 and raised it by up to 9%
-elsewhere.
+A match is ``proven`` when its fused form never raises the planned step peak and ``futile`` when
+it cannot lower it; the backend applies the first and declines the second (unless its pattern is
+asked for by name) without comparing plans, and compares the rest (a second AOTAutograd trace and
+plan, a third of a 32-layer compile: ``fxmem.backend._lower``). Proven: the two norms (checked on
+the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``) and the fused
+cross-entropy where its logits are at least CE_PROVEN_FROM times the gradients it keeps from the
+forward; futile: the fused cross-entropy below CE_FUTILE_BELOW times, whose fixed buffers then
+outweigh the logits (bench/results/lowering-ce-ratio.md), and SwiGLU/GeGLU, which never changed
+the planned peak on the zoo (bench/results/lowering-glu.md; under a memory budget the fused
+SwiGLU measured above its simulation). Bias-GELU is compared: it lowered the peak by 12.5% on
+GPT-2's written-out tanh GELU and left it unchanged with ``F.gelu``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._functorch import predispatch
+from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
 
 from ..options import LOWERING_PATTERNS
 from . import functions as fn
@@ -51,6 +53,9 @@ class Match:
     kept: tuple = ()                 # (node, call, args): a replaced node the graph still needs, computed by call
     # Never raises the planned step peak (see PROVEN): applied without the backend's comparison.
     proven: bool = False
+    # Why it cannot lower the planned peak (here): unless the pattern is asked for by name (or
+    # lowering=True), the backend declines it without comparing plans.
+    futile: str = ""
 
 
 @dataclass
@@ -216,7 +221,34 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     kept = ((top, fn.returned_logits, (h, w, b, logit_bias)),) if returned and region is None else ()
     if kept:
         kwargs["logits"] = top  # computed for the output anyway: the loss reads them
-    return Match(name, n, nodes, call, (h, w, b, target), kwargs, note, kept)
+    ratio = _logits_per_gradient(tx, tw)
+    futile = "" if region is not None or ratio >= CE_FUTILE_BELOW else (
+        f"not applied: its {_hint(tx.shape[0]):,} x {int(tw.shape[0]):,} logits are fewer than the "
+        f"{int(tw.shape[1]):,}-wide gradients of its input and weight it keeps from the forward "
+        f"(ratio {ratio:.2f} < {CE_FUTILE_BELOW}: never a lower planned peak on the zoo, "
+        "bench/results/lowering-ce-ratio.md)")
+    return Match(name, n, nodes, call, (h, w, b, target), kwargs, note, kept,
+                 proven=region is None and ratio >= CE_PROVEN_FROM, futile=futile)
+
+
+# The fused loss by the ratio of its logits to the gradients it computes in the forward and keeps
+# for the backward, tokens x vocab / ((tokens + vocab) x hidden), at the compiled shape. Measured
+# on the zoo at levels 0-2 (bench/studies/ce_ratio.py): below CE_FUTILE_BELOW it never lowered the
+# planned peak (declined without comparing plans), from CE_PROVEN_FROM on it always did (applied
+# without comparing; BART still peaked higher at 1.78, lower from 1.88); in between the backend
+# compares.
+CE_FUTILE_BELOW, CE_PROVEN_FROM = 1.0, 2.5
+
+
+def _hint(d) -> int:
+    return hint_int(d) if isinstance(d, torch.SymInt) else int(d)
+
+
+def _logits_per_gradient(logits: torch.Tensor, weight: torch.Tensor) -> float:
+    """tokens x vocab / ((tokens + vocab) x hidden), sizes at their hints (a dynamic shape's
+    decision holds at the size it was compiled for)."""
+    rows, (vocab, hidden) = _hint(logits.shape[0]), (int(s) for s in weight.shape)
+    return rows * vocab / ((rows + vocab) * hidden)
 
 
 def _logit_bias(c: Any, logits: torch.Tensor) -> bool:
@@ -253,10 +285,17 @@ def _glu_finder(name: str, activations: tuple[str, ...]) -> Finder:
             nodes = _ordered([a, n])
             if not _whole(nodes, n):
                 return Skip(name, n, "the activation's output is used by other ops")
-            return Match(name, n, nodes, fn.glu, (gate, up), dict(activation=activation))
+            return Match(name, n, nodes, fn.glu, (gate, up), dict(activation=activation), futile=GLU_FUTILE)
         return None
 
     return find
+
+
+# Whole-graph SwiGLU/GeGLU unless asked for by name: on the zoo (Llama, Mistral, Mixtral, Gemma2;
+# levels 0-2, vocab 512 and 32000) the fused form left the planned peak unchanged every time
+# (bench/results/lowering-glu.md), and under a memory budget it measured above its simulation.
+GLU_FUTILE = ("not applied by default: its fused form never changed the planned peak on the zoo "
+              "(bench/results/lowering-glu.md); name it in `lowering` to have the plans compared")
 
 
 # -- bias + GELU ----------------------------------------------------------------------------
