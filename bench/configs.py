@@ -220,8 +220,8 @@ def _fxmem(model, cfg: Config):
     import fxmem  # noqa: F401  (registers the backend even without the entry point)
 
     # The planner's configurations measure it without pattern lowering (fxmem's default lowers
-    # every pattern but dropout); a configuration that wants lowering says so, and
-    # ``"lowering": "default"`` (the "fxmem-*-defaults" ones) leaves fxmem its own default.
+    # every pattern but dropout, as its sizes and plans decide); a configuration that wants
+    # lowering says so, and ``"lowering": "default"`` (the "fxmem-*-defaults" ones) leaves fxmem its own default.
     opts = dict(cfg.options)
     if opts.get("lowering") == "default":
         del opts["lowering"]
@@ -291,12 +291,12 @@ for _inner in ("eager", "inductor"):
     CONFIGS.append(Config(f"fxmem-{_inner}+lowering", "fxmem", {"inner": _inner, "lowering": True},
                           description=f"fxmem, {_inner} inner compiler, every lowering pattern "
                                       "(the HF model also returns its logits)"))
-# fxmem's default options (issue "[defaults]"): lowering on for every pattern but dropout.
+# fxmem's default options (issue "[defaults]"): lowering on for every pattern but dropout, as the backend decides.
 for _inner in ("eager", "inductor"):
     CONFIGS.append(Config(f"fxmem-{_inner}-defaults+loss_only", "fxmem",
                           {"inner": _inner, "lowering": "default", "loss_only": True},
-                          description=f"fxmem's default options (every lowering pattern but dropout), {_inner} "
-                                      "inner compiler, model returns only its loss"))
+                          description=f"fxmem's default options (lowering as the backend decides, dropout off), "
+                                      f"{_inner} inner compiler, model returns only its loss"))
 # Budget sweeps. fxmem's ``memory_budget`` as a float is a fraction of level 0's saved bytes;
 # Inductor's ``activation_memory_budget`` a fraction of its min-cut plan's. A fxmem budget below
 # its feasible floor fails at compile time (the result's status is then "infeasible").
