@@ -233,10 +233,10 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
 
 # The fused loss by the ratio of its logits to the gradients it computes in the forward and keeps
 # for the backward, tokens x vocab / ((tokens + vocab) x hidden), at the compiled shape. Measured
-# on the zoo at levels 0-2 (bench/studies/ce_ratio.py): below CE_FUTILE_BELOW it never lowered the
-# planned peak (declined without comparing plans), from CE_PROVEN_FROM on it always did (applied
-# without comparing; BART still peaked higher at 1.78, lower from 1.88); in between the backend
-# compares.
+# on the zoo at levels 0 and 1 (bench/studies/ce_ratio.py; tests/test_lowering_proven.py checks
+# 0-2): below CE_FUTILE_BELOW it never lowered the planned peak (declined without comparing plans),
+# from CE_PROVEN_FROM on it never raised it (applied without comparing; BART still peaked higher at
+# 1.78, lower from 1.88); in between the backend compares.
 CE_FUTILE_BELOW, CE_PROVEN_FROM = 1.0, 2.5
 
 
