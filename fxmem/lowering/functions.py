@@ -15,7 +15,7 @@ from torch import Tensor
 
 import fxmem_kernels as K
 
-IMPL = "auto"  # the portable PyTorch implementations; Triton on CUDA with FXMEM_KERNELS_TRITON=1
+_IMPL = "auto"  # the portable PyTorch implementations; Triton on CUDA with FXMEM_KERNELS_TRITON=1
 _KERNEL_WORKSPACE = K.linear_cross_entropy.__kwdefaults__["workspace_bytes"]
 MIN_WORKSPACE_BYTES = 16 * 2**20
 
@@ -72,7 +72,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], targ
     rows = None if logits is None else _logit_rows(logits, index, weight.shape[0])
     loss = K.linear_cross_entropy(h2, weight, t, bias, ignore_index=ignore_index,
                                   label_smoothing=label_smoothing, reduction=reduction,
-                                  workspace_bytes=workspace_bytes(weight.shape[0]), impl=IMPL, logits=rows)
+                                  workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL, logits=rows)
     return loss if loss.dtype == out_dtype else loss.to(out_dtype)
 
 
@@ -108,7 +108,7 @@ class _RowsLCE(torch.autograd.Function):
         ignore_index, label_smoothing = opts
         out = _lce_op()(h, weight, bias, target, ignore_index=ignore_index,
                         label_smoothing=label_smoothing, reduction="none",
-                        workspace_bytes=workspace_bytes(weight.shape[0]), impl=IMPL)
+                        workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL)
         return out[0], out[1]
 
     @staticmethod
@@ -131,7 +131,7 @@ def _lce_backward(grad_rows, h, weight, bias, target, lse, opts, need):
     ignore_index, label_smoothing = opts
     return _lce_backward_op()(grad_rows, h, weight, bias, target, lse, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, workspace_bytes=workspace_bytes(weight.shape[0]),
-                              impl=IMPL, grad_hidden=need[0],
+                              impl=_IMPL, grad_hidden=need[0],
                               grad_weight=need[1], grad_bias=need[2])
 
 
@@ -208,20 +208,20 @@ def returned_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
 # -- norms, activations, dropout --------------------------------------------------------------
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, eps: float) -> Tensor:
-    return K.layer_norm(x, weight, bias, eps, impl=IMPL)
+    return K.layer_norm(x, weight, bias, eps, impl=_IMPL)
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], *, eps: float) -> Tensor:
-    return K.rms_norm(x, weight, eps, impl=IMPL)
+    return K.rms_norm(x, weight, eps, impl=_IMPL)
 
 
 def bias_gelu(x: Tensor, bias: Optional[Tensor], *, approximate: str) -> Tensor:
-    return K.bias_gelu(x, bias, approximate, impl=IMPL)
+    return K.bias_gelu(x, bias, approximate, impl=_IMPL)
 
 
 def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, *, approximate: str) -> Tensor:
     """``gelu(F.linear(x, weight, bias))``: the bias moves from the matmul into the activation."""
-    return K.bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, impl=IMPL)
+    return K.bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, impl=_IMPL)
 
 
 def addmm_bias_gelu(bias: Tensor, x: Tensor, weight: Tensor, *, shape: tuple | None,
@@ -230,14 +230,14 @@ def addmm_bias_gelu(bias: Tensor, x: Tensor, weight: Tensor, *, shape: tuple | N
     y = torch.mm(x, weight)
     if shape is not None:
         y = y.view(shape)
-    return K.bias_gelu(y, bias, approximate, impl=IMPL)
+    return K.bias_gelu(y, bias, approximate, impl=_IMPL)
 
 
 def glu(gate: Tensor, up: Tensor, *, activation: str) -> Tensor:
     if activation == "silu":
-        return K.swiglu(gate, up, impl=IMPL)
-    return K.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none", impl=IMPL)
+        return K.swiglu(gate, up, impl=_IMPL)
+    return K.geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none", impl=_IMPL)
 
 
 def dropout(x: Tensor, *, p: float) -> Tensor:
-    return K.seeded_dropout(x, p, impl=IMPL)
+    return K.seeded_dropout(x, p, impl=_IMPL)

@@ -223,7 +223,7 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
         kwargs["logits"] = top  # computed for the output anyway: the loss reads them
     ratio = _logits_per_gradient(tx, tw)
     futile = "" if region is not None or ratio >= CE_FUTILE_BELOW else (
-        f"not applied: its {_hint(tx.shape[0]):,} x {int(tw.shape[0]):,} logits are fewer than the "
+        f"not applied: its {hint_int(tx.shape[0]):,} x {int(tw.shape[0]):,} logits are fewer than the "
         f"{int(tw.shape[1]):,}-wide gradients of its input and weight it keeps from the forward "
         f"(ratio {ratio:.2f} < {CE_FUTILE_BELOW}: never a lower planned peak on the zoo, "
         "bench/results/lowering-ce-ratio.md)")
@@ -240,14 +240,10 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
 CE_FUTILE_BELOW, CE_PROVEN_FROM = 1.0, 2.5
 
 
-def _hint(d) -> int:
-    return hint_int(d) if isinstance(d, torch.SymInt) else int(d)
-
-
 def _logits_per_gradient(logits: torch.Tensor, weight: torch.Tensor) -> float:
     """tokens x vocab / ((tokens + vocab) x hidden), sizes at their hints (a dynamic shape's
     decision holds at the size it was compiled for)."""
-    rows, (vocab, hidden) = _hint(logits.shape[0]), (int(s) for s in weight.shape)
+    rows, (vocab, hidden) = hint_int(logits.shape[0]), (int(s) for s in weight.shape)
     return rows * vocab / ((rows + vocab) * hidden)
 
 
