@@ -51,6 +51,21 @@ def is_multi_output(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
+def is_mutation(node: fx.Node) -> bool:
+    """An op that writes into one of its arguments (``copy_`` of a mutated input's new value, a
+    custom op's ``Tensor(a!)`` argument): it reaches no output, yet it must run."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The arguments a mutation writes into."""
+    args = node.target._schema.arguments
+    bound = [*node.args, *(node.kwargs.get(a.name) for a in args[len(node.args):])]
+    return [v for a, v in zip(args, bound) if a.alias_info is not None and a.alias_info.is_write
+            and isinstance(v, fx.Node)]
+
+
 def ancestors(outputs: list[fx.Node], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
     """Every node that ``outputs`` need, walking back until a node in ``stop`` (included)."""
     seen: set[fx.Node] = set()
@@ -74,6 +89,13 @@ class JointGraph:
     bwd_outputs: tuple[fx.Node | None, ...]
     forward: frozenset[fx.Node]  # must run in forward
     backward: frozenset[fx.Node]  # depends on a tangent
+    # In-graph mutations of the forward (Inductor keeps input mutations in the graph as ``copy_``
+    # epilogues) and of the backward: each split graph runs its side's, in graph order.
+    fwd_mutations: tuple[fx.Node, ...] = ()
+    bwd_mutations: tuple[fx.Node, ...] = ()
+    # Primals whose storage the step writes: in the graph, or by AOTAutograd's runtime from a
+    # forward output it marks ``InputMutationAOTOutput``. The backward must not read them again.
+    mutated: frozenset[fx.Node] = frozenset()
 
     @classmethod
     def of(cls, gm: fx.GraphModule, num_fwd_outputs: int) -> "JointGraph":
@@ -86,13 +108,16 @@ class JointGraph:
             if n in tangents or any(a in backward for a in n.all_input_nodes):
                 backward.add(n)
         backward.discard(gm.graph.output_node())
-        forward = ancestors(fwd)
+        mutations = [n for n in gm.graph.nodes if is_mutation(n)]
+        fwd_mut = tuple(n for n in mutations if n not in backward)
+        forward = ancestors([*fwd, *fwd_mut])
         # Every element of a forward tuple is a forward value, used in forward or not.
         forward |= {u for n in forward if is_multi_output(n) for u in n.users}
-        return cls(
-            gm, tuple(p for p in placeholders if not is_tangent(p)), tuple(tangents), tuple(fwd), tuple(bwd),
-            frozenset(forward), frozenset(backward),
-        )
+        primals = tuple(p for p in placeholders if not is_tangent(p))
+        joint = cls(gm, primals, tuple(tangents), tuple(fwd), tuple(bwd), frozenset(forward), frozenset(backward),
+                    fwd_mut, tuple(n for n in mutations if n in backward), _mutated_primals(gm, primals, fwd_mut))
+        mark_mutated_reads(joint)
+        return joint
 
     def input_names(self) -> set[str]:
         """Names of the primals and of views of them: storage that exists before the step."""
@@ -106,3 +131,38 @@ class JointGraph:
         bw_region = ancestors(list(self.bwd_outputs), stop=set(self.forward))
         saved = {n for n in bw_region if n in self.forward and not is_multi_output(n)}
         return [n for n in self.gm.graph.nodes if n in saved]
+
+
+READS_MUTATED = "fxmem_reads_mutated"  # node meta: reads an input the step mutates (never recomputed)
+
+
+def _mutated_primals(gm: fx.GraphModule, primals: tuple[fx.Node, ...],
+                     fwd_mutations: tuple[fx.Node, ...]) -> frozenset[fx.Node]:
+    """Primals the forward mutates, from AOTAutograd's own record: the destinations of the graph's
+    mutation nodes (through views), and the inputs its output descriptors name as mutated."""
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+
+    from .liveness import storage_roots
+
+    root = storage_roots(gm)
+    mutated = {root[w] for n in fwd_mutations for w in _written(n)}
+    descs = gm.graph.output_node().meta.get("desc") or ()
+    named = [d.mutated_input for d in descs if isinstance(d, InputMutationAOTOutput)]
+    mutated |= {p for p in primals if p.meta.get("desc") is not None and p.meta["desc"] in named}
+    return frozenset(p for p in mutated if p in set(primals))
+
+
+def mark_mutated_reads(joint: JointGraph) -> None:
+    """Mark the forward nodes that read a mutated primal (or a view of one) with
+    :data:`READS_MUTATED`: recomputed in the backward they would read the new value (autograd's
+    version check refuses it where the input was saved; where the step writes in the graph, the
+    result would silently be wrong), so the planner keeps them or what they feed instead."""
+    if not joint.mutated:
+        return
+    from .liveness import storage_roots
+
+    root = storage_roots(joint.gm)
+    for n in joint.gm.graph.nodes:
+        if n.op == "call_function" and n not in joint.backward and not is_mutation(n) and any(
+                root.get(a) in joint.mutated for a in n.all_input_nodes):
+            n.meta[READS_MUTATED] = True

@@ -6,8 +6,9 @@ HEAVY ops (matmuls, attention, convolutions) only at level 1-2 (inside detected 
 memory budget, or when a user rule selects their cluster. Random ops are recomputable once they
 replay their generator (see ``replay``: Inductor's seeded random ops, and aten's wrapped with
 their generator state); a random op that does not, and the states themselves, never are. Neither
-are ops that read an input the forward mutates (BatchNorm in training). Anything not listed is
-never recomputed.
+are ops that read an input the step mutates (BatchNorm's running statistics, counters, in-place
+updates of arguments: :func:`fxmem.graph.joint.mark_mutated_reads` marks them from AOTAutograd's
+mutation record). Anything not listed is never recomputed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_* (seeded random ops)
 import torch.fx as fx
 
-from ..graph.joint import is_random
+from ..graph.joint import READS_MUTATED, is_random
 from .replay import wrapped_target
 
 aten = torch.ops.aten
@@ -62,10 +63,6 @@ _HEAVY = {
     aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention,
     aten.native_batch_norm,
 }
-# Ops that read an input AOTAutograd mutates after the forward (BatchNorm's running statistics,
-# updated in place from the new values these ops return): recomputed in the backward they would
-# read the mutated input, which autograd refuses (a version-counter error at run time).
-_READS_MUTATED = {aten._native_batch_norm_legit_functional}
 
 
 def is_view(node: fx.Node) -> bool:
@@ -74,7 +71,7 @@ def is_view(node: fx.Node) -> bool:
 
 def kind(node: fx.Node) -> str:
     """CHEAP, HEAVY or NEVER for a call_function node."""
-    if node.op != "call_function" or is_random(node):
+    if node.op != "call_function" or is_random(node) or node.meta.get(READS_MUTATED):
         return NEVER
     replayed = wrapped_target(node)
     return _kind(node.target if replayed is None else replayed)
@@ -84,7 +81,7 @@ def _kind(target) -> str:
     if target is operator.getitem:
         return CHEAP
     packet = getattr(target, "overloadpacket", None)
-    if packet is None or packet in _READS_MUTATED:
+    if packet is None:
         return NEVER
     if packet in _VIEWS or packet in _COPIES or packet in _REDUCTIONS_AND_NORMS or packet in _RANDOM:
         return CHEAP

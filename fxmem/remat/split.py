@@ -58,14 +58,15 @@ def _late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) ->
 
 
 def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
-             late: set[fx.Node] = frozenset()) -> fx.GraphModule:
-    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``."""
+             late: set[fx.Node] = frozenset(), effects: tuple[fx.Node, ...] = ()) -> fx.GraphModule:
+    """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``, running
+    ``effects`` (mutations that reach no output) too."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
         env[node] = graph.placeholder(node.name)
         env[node].meta = node.meta
-    needed = ancestors(outputs, stop=set(inputs)) - set(inputs)
+    needed = ancestors([*outputs, *effects], stop=set(inputs)) - set(inputs)
     for node in _late_order(gm, needed, late):
         if node.op == "placeholder":
             raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
@@ -194,8 +195,8 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
     n_fwd = len(joint.fwd_outputs)
     n_saved = len(tensors) + len(syms_sorted)
     fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
-                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)])
+                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)], effects=joint.fwd_mutations)
     bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
-                  late=set(recomputed))
+                  late=set(recomputed), effects=joint.bwd_mutations)
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))
