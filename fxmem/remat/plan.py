@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph.cost import recompute_cost
-from ..graph.joint import JointGraph, is_multi_output, is_sym
+from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
@@ -62,8 +62,10 @@ def _tagged(n: fx.Node, *policies) -> bool:
 def _annotations(joint: JointGraph) -> tuple[set[fx.Node], set[fx.Node]]:
     """(must save, must recompute) from torch.utils.checkpoint / selective-checkpoint tags."""
     save = {n for n in joint.forward if _tagged(n, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)}
-    recompute = {n for n in joint.forward
-                 if _tagged(n, CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)}
+    # A tagged node that reads an input the step mutates (BatchNorm under torch.utils.checkpoint)
+    # is kept instead: recomputed, it would read the new value.
+    recompute = {n for n in joint.forward if not n.meta.get(READS_MUTATED)
+                 and _tagged(n, CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)}
     # A checkpointed region's outputs feed untagged forward code: those are kept (as torch does).
     outputs = {n for n in recompute if any(
         u in joint.forward and (u not in recompute or u.meta.get("ac_graph_id") != n.meta.get("ac_graph_id"))
