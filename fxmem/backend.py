@@ -211,12 +211,15 @@ def _compile_id():
 
 def register() -> None:
     """Register ``fxmem`` with Dynamo (the entry point does this without an import) and with
-    ``TORCH_LOGS`` (``TORCH_LOGS=fxmem``); keep HF's once-only warnings from breaking graphs."""
+    ``TORCH_LOGS`` (``TORCH_LOGS=fxmem``); keep HF's once-only warnings from breaking graphs;
+    warn when Dynamo's recompile limit sends a frame fxmem compiled to eager."""
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
 
     from .logs import register_logs
+    from .recompiles import watch
 
     if "fxmem" not in _BACKENDS:
         register_backend(name="fxmem")(fxmem_backend)
     register_logs()
+    watch()
     ignore_once_warnings()

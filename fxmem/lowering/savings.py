@@ -18,6 +18,9 @@ log = logging.getLogger("fxmem")
 
 
 def _meta(v: Any) -> Any:
+    """``v`` at the compiled shape: meta tensors, SymInts (also inside a size list) as their hints."""
+    if isinstance(v, (list, tuple)):  # e.g. a view's size, [batch, seq, hidden] with symbolic dims
+        return type(v)(_meta(x) for x in v) if not hasattr(v, "_fields") else v
     if isinstance(v, torch.SymInt):
         return hint_int(v)
     if isinstance(v, torch.Tensor):
@@ -61,7 +64,8 @@ def bytes_saved(nodes: list[fx.Node], output: fx.Node, call: Callable, args: tup
     try:
         gm, inputs = _subgraph(nodes, output)
         before_in = [_meta(val(a)) for a in inputs]
-        before = _kept_bytes(lambda: gm(*before_in), before_in)
+        # gm.forward, not gm(): GraphModule.__call__ prints a traceback to stderr when it raises
+        before = _kept_bytes(lambda: gm.forward(*before_in), before_in)
         meta: dict[fx.Node, Any] = {}
         after_args = fx.node.map_arg(args, lambda a: meta.setdefault(a, _meta(val(a))))
         after_kwargs = fx.node.map_arg(kwargs, lambda a: meta.setdefault(a, _meta(val(a))))

@@ -222,3 +222,51 @@ def test_library_does_not_print(capfd):
     fxmem.report(compiled)
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out, err)
+
+
+def test_recompile_limit_warns_once_at_the_users_line(monkeypatch):
+    """Past Dynamo's recompile limit the frame runs eagerly: fxmem says so once per frame,
+    pointing at the caller's line; a frame compiled by another backend gets no fxmem warning."""
+    import warnings
+
+    from fxmem.recompiles import RecompileLimitWarning
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    model = Block()
+    for backend, expected in (("fxmem", 1), ("eager", 0)):
+        torch._dynamo.reset()
+        options = EAGER if backend == "fxmem" else None
+        compiled = torch.compile(model, backend=backend, options=options, dynamic=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in range(2, 7):  # 5 shapes, limit 2: the 3rd to 5th run eagerly
+                compiled(torch.randn(batch, 16)).sum().backward()
+        ours = [w for w in caught if issubclass(w.category, RecompileLimitWarning)]
+        assert len(ours) == expected, [str(w.message) for w in caught]
+        if ours:
+            assert ours[0].filename == __file__ and "recompile_limit (2)" in str(ours[0].message)
+            assert "dynamic=True" in str(ours[0].message)
+
+
+@pytest.mark.inductor
+def test_changing_sequence_lengths_print_nothing(tmp_path):
+    """Five steps of a GPT-2 at changing sequence lengths with default options: nothing on stderr
+    (fxmem's probes used to print fx tracebacks at symbolic shapes)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "steps.py"
+    script.write_text(
+        "import torch\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "torch.manual_seed(0)\n"
+        "m = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=512, use_cache=False,\n"
+        "                               bos_token_id=0, eos_token_id=0))\n"
+        "c = torch.compile(m, backend='fxmem')\n"
+        "for s in [64, 48, 64, 32, 50]:\n"
+        "    ids = torch.randint(0, 512, (2, s))\n"
+        "    c(input_ids=ids, labels=ids).loss.backward()\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
+    assert done.stderr == ""
