@@ -137,3 +137,14 @@ def test_measured_peak_never_rises_as_the_level_rises(spec):
     """Exactly, but for the attention kernel's internal scratch (see _attention_scratch)."""
     p0, p1, slack = _peak(spec, {"level": 0}), _peak(spec, {"level": 1}), _attention_scratch(spec)
     assert p1 <= p0 + slack, f"level 1 peaked at {p1} bytes, above level 0's {p0} (+{slack} slack)"
+
+
+@pytest.mark.inductor
+@given(model_specs(), options())
+@settings(max_examples=examples(3, 50))
+def test_inductor_gradients_match(spec, opts):
+    """The same property with the Inductor inner compiler (the default): loss and gradients within
+    Inductor's float reassociation (1e-4 relative); dropout masks drawn alike under
+    ``fallback_random`` (Inductor's own random ops draw other numbers than eager's)."""
+    with torch._inductor.config.patch(fallback_random=True):
+        _check(spec, {**opts, "inner": "inductor"}, rtol=1e-4, atol=1e-6, check_saved_bytes=False)
