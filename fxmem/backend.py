@@ -221,5 +221,5 @@ def register() -> None:
     if "fxmem" not in _BACKENDS:
         register_backend(name="fxmem")(fxmem_backend)
     register_logs()
-    watch()
+    watch(fxmem_backend)
     ignore_once_warnings()

@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 from types import CodeType, FrameType
+from typing import Callable
 
 import torch
 
@@ -30,6 +31,7 @@ class _Watch(logging.Filter):
     def __init__(self) -> None:
         super().__init__("fxmem.recompiles")
         self.warned: set = set()  # Dynamo's ids of the frames already warned about
+        self.backend: Callable | None = None  # fxmem's backend function
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str) and _MARK in record.msg:
@@ -40,7 +42,7 @@ class _Watch(logging.Filter):
         return True
 
     def _check(self, record: logging.LogRecord) -> None:
-        found = _compiling(sys._getframe())
+        found = _compiling(sys._getframe(), self.backend)
         if found is None:
             return
         code, limit = found
@@ -57,13 +59,12 @@ class _Watch(logging.Filter):
             "torch._dynamo.reset() between option sets.", RecompileLimitWarning, filename, lineno)
 
 
-def _compiling(frame: FrameType | None) -> tuple[CodeType, int] | None:
-    """(the code Dynamo was compiling, the limit) when its backend is fxmem: read from the frame
-    of Dynamo's compile function that logs the record (its locals ``code`` and ``compiler_fn``)."""
+def _compiling(frame: FrameType | None, fxmem_backend: Callable | None) -> tuple[CodeType, int] | None:
+    """(the code Dynamo was compiling, the limit) when its backend is ``fxmem_backend``: read from
+    the frame of Dynamo's compile function that logs the record (its locals ``code`` and
+    ``compiler_fn``)."""
     from torch._dynamo import config
     from torch._dynamo.eval_frame import innermost_backend
-
-    from .backend import fxmem_backend
 
     for _ in range(30):
         if frame is None:
@@ -95,8 +96,9 @@ def _user_line(frame: FrameType | None) -> tuple[str, int] | None:
 _WATCH = _Watch()
 
 
-def watch() -> None:
-    """Install the watch (idempotent)."""
+def watch(backend: Callable) -> None:
+    """Install the watch for frames compiled by ``backend`` (fxmem's; idempotent)."""
+    _WATCH.backend = backend
     logger = logging.getLogger(_LOGGER)
     if _WATCH not in logger.filters:
         logger.addFilter(_WATCH)
