@@ -2,6 +2,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from fxmem.lowering import enabled
 from fxmem.options import LOWERING_PATTERNS, Options, Rule, resolve
@@ -167,3 +168,39 @@ def test_report_path_needs_an_existing_directory(tmp_path):
         resolve({"report_path": str(tmp_path)}, env=ENV0)
     assert resolve({"report_path": tmp_path / "mem.json"}, env=ENV0).report_path == str(tmp_path / "mem.json")
     assert resolve({"report_path": "mem.json"}, env=ENV0).report_path == "mem.json"  # the working directory
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).relu().sum()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_plan_shape_names_are_checked_against_the_graphs_dims(dynamic):
+    """An unknown name (static or dynamic graph) is an OptionError naming it and listing the
+    graph's dims; an input given more sizes than it has dims too; a known name plans there."""
+    import fxmem
+    from fxmem import OptionError
+
+    dims = re.escape("x.size(0) = ") + (r"s\d+" if dynamic else "8") + re.escape(", x.size(1) = 16")
+    for plan_shape, match in [({"x": [64], "nosuch": [2]}, rf"option 'plan_shape': 'nosuch' names no input or "
+                                                          rf"dimension of this graph; the graph's dims: {dims}; "),
+                              ({"x": [1, 2, 3]}, rf"option 'plan_shape': 'x': got \[1, 2, 3\]; allowed: at most 2 "
+                                                 rf"sizes; the graph's dims: {dims}")]:
+        torch._dynamo.reset()
+        compiled = torch.compile(_Linear(), backend="fxmem", dynamic=dynamic,
+                                 options={"inner": "eager", "plan_shape": plan_shape})
+        with pytest.raises(OptionError, match=match):
+            compiled(torch.randn(8, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(_Linear(), backend="fxmem", dynamic=dynamic,
+                             options={"inner": "eager", "plan_shape": {"x": [64, 16]}})
+    compiled(torch.randn(8, 16)).backward()
+    (comp,) = fxmem.compilations(compiled)
+    sizes = comp.graphs[0].sizes
+    assert {sizes.names[s]: v for s, v in sizes.values.items()} == ({"x.size(0)": 64, "x.size(1)": 16} if dynamic
+                                                                    else {})
