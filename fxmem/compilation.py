@@ -75,7 +75,7 @@ class Compilation:
 # Every live record, weakly (a record dies with its compiled function): compilations() reads it
 # instead of scanning the heap.
 _LIVE: "weakref.WeakSet[Compilation]" = weakref.WeakSet()
-_ANY = object()  # the options of a callable that torch.compile did not make (a module, a function): any
+_ANY = object()  # the options= of a callable torch.compile did not make (a module, a function): any
 
 
 def as_requested(options: Any) -> Any:
@@ -117,18 +117,18 @@ def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = No
         return _live()
     asked = _requested(compiled)
 
-    def by_code() -> list[Compilation]:
-        return [c for c in _by_code(compiled) if asked is _ANY or c.requested == asked]
+    def ours(comps: list[Compilation]) -> list[Compilation]:
+        return [c for c in comps if asked is _ANY or c.requested == asked]
 
     if match is None:
         module = getattr(compiled, "_orig_mod", compiled)
         if isinstance(module, torch.nn.Module):
             ids = {id(t) for t in module.parameters()}
-            mine = [c for c in _live() if c.inputs & ids and (asked is _ANY or c.requested == asked)] if ids else []
-            return mine or by_code()
-        return by_code()
+            mine = ours([c for c in _live() if c.inputs & ids]) if ids else []
+            return mine or ours(_by_code(compiled))
+        return ours(_by_code(compiled))
     ids = {id(t) for t in match}
-    found = by_code()
+    found = ours(_by_code(compiled))
     return [c for c in found if c.inputs & ids] or found
 
 
@@ -144,9 +144,9 @@ def _requested(compiled: Any) -> Any:
     if isinstance(compiled, torch.nn.Module) and not hasattr(compiled, "dynamo_ctx"):
         compiled = getattr(compiled, "_compiled_call_impl", None)
     ctx = getattr(compiled, "dynamo_ctx", None)
-    for cell in getattr(compiled, "__closure__", None) or ():
-        if ctx is None and isinstance(_contents(cell), _TorchDynamoContext):
-            ctx = cell.cell_contents
+    if ctx is None:  # a compiled function: its context is in its closure
+        cells = [_contents(c) for c in getattr(compiled, "__closure__", None) or ()]
+        ctx = next((c for c in cells if isinstance(c, _TorchDynamoContext)), None)
     backend = innermost_backend(ctx.callback) if ctx is not None and callable(ctx.callback) else None
     kwargs = getattr(backend, "kwargs", None)  # torch.compile's backend wrapper passes these on
     return as_requested(kwargs.get("options")) if isinstance(kwargs, dict) else _ANY

@@ -188,7 +188,8 @@ class _TwoLayers(torch.nn.Module):
 
 def test_two_compiles_of_one_module_keep_their_own_records():
     """torch.compile(m, options=A) and torch.compile(m, options=B): each callable's records and
-    report are its own compile's; the module itself has both; equal options share Dynamo's graph."""
+    report are its own compile's; the module itself has both (after module.compile(), that
+    compile's); equal options share Dynamo's graph."""
     m, x = _TwoLayers(), torch.randn(4, 8)
     a = torch.compile(m, backend="fxmem", options={"inner": "eager", "lowering": False})
     b = torch.compile(m, backend="fxmem", options={"inner": "eager", "lowering": False, "level": 1})
@@ -202,6 +203,10 @@ def test_two_compiles_of_one_module_keep_their_own_records():
     same = torch.compile(m, backend="fxmem", options={"inner": "eager", "lowering": False})
     same(x).backward()  # served by a's graph: Dynamo shares it between equal backends
     assert fxmem.compilations(same) == [ra] and fxmem.compilations(m) == [ra, rb]
+    m.compile(backend="fxmem", options={"inner": "eager", "lowering": False, "level": 2})
+    m(x).backward()  # the module's own compiled call: the module reports that compile
+    assert [c.options.level for c in fxmem.compilations(m)] == [2]
+    assert fxmem.compilations(a) == [ra] and fxmem.compilations(b) == [rb]
 
 
 def test_two_compiles_of_one_function_keep_their_own_records():
