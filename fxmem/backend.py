@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 
 from . import inner, lowering, per_example
-from .compilation import Compilation, Compiled
+from .compilation import Compilation, Compiled, as_requested
 from .fallback import is_failure, stage_failed
-from .graph.sizes import model_state_bytes, static_dims
+from .graph.sizes import check_plan_shape, model_state_bytes, static_dims
 from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
 from .options import OptionError, Options, resolve
@@ -37,9 +37,11 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
     """``torch.compile(model, backend="fxmem", options={...})``."""
     opts = _options(options, kwargs)
+    check_plan_shape(gm, opts.plan_shape)
     ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
-    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), model_state_bytes(gm))
+    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), model_state_bytes(gm),
+                       requested=as_requested(options))
     compiled = _per_example(gm, example_inputs, comp) or _whole(gm, example_inputs, comp)
     return Compiled(compiled, comp)
 

@@ -3,22 +3,26 @@
 The backend makes a :class:`Compilation` per graph Dynamo hands it; every stage writes into it
 (the per-example pass its chunk plan, lowering what it replaced, the partitioner each graph it
 planned, the backend the reports) and the callable Dynamo caches, :class:`Compiled`, holds it.
-Nothing is kept at module level, so a compile's graphs die with its compiled function (when the
-model is freed and Dynamo's cache dropped, e.g. by ``torch._dynamo.reset()``).
+Nothing is held at module level, so a compile's graphs die with its compiled function (when the
+model is freed and Dynamo's cache dropped, e.g. by ``torch._dynamo.reset()``): the live records
+are listed in a weak set (:data:`_LIVE`), which holds none of them alive.
 
-:func:`compilations` finds the records of a compiled model or function where Dynamo keeps
-them: each cache entry of the model's code objects (its modules' ``forward``, and the resume
-functions Dynamo made at graph breaks) names the compiled callables it runs.
+:func:`compilations` finds the records of a compiled model or function: those whose graphs took
+the model's parameters, else where Dynamo keeps them (each cache entry of the model's code
+objects, its modules' ``forward`` and the resume functions Dynamo made at graph breaks, names the
+compiled callables it runs); for a ``torch.compile``d callable, only those compiled with its
+``options=`` (two compiles of one module with different options keep their records apart).
 """
 
 from __future__ import annotations
 
-import gc
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
+from torch._dynamo.eval_frame import _TorchDynamoContext, innermost_backend
 
 from .inputs import Inputs
 from .options import Options
@@ -54,13 +58,30 @@ class Compilation:
     chunk_plan: "ChunkPlan | None" = None  # the per-example pass's decision, when it found a region
     # Lowerings of graphs compiled without a backward to plan (no outer backward): one per graph.
     unplanned_lowerings: list["Lowering"] = field(default_factory=list)
+    # The ``options=`` torch.compile passed, as given ({} for none): which compiled callable it is for.
+    requested: Any = field(default_factory=dict)
     created_ns: int = field(default_factory=time.monotonic_ns)
     called_ns: int = 0  # when its compiled step last ran (fxmem.explain takes the graphs its step ran)
+
+    def __post_init__(self) -> None:
+        _LIVE.add(self)
 
     def __repr__(self) -> str:
         chunked = f", chunk_plan={self.chunk_plan.summary()}" if self.chunk_plan is not None else ""
         return (f"Compilation(compile_id={self.compile_id}, level={self.options.level}, "
                 f"inner={self.options.inner!r}, graphs={len(self.graphs)}{chunked})")
+
+
+# Every live record, weakly (a record dies with its compiled function): compilations() reads it
+# instead of scanning the heap.
+_LIVE: "weakref.WeakSet[Compilation]" = weakref.WeakSet()
+_ANY = object()  # the options= of a callable torch.compile did not make (a module, a function): any
+
+
+def as_requested(options: Any) -> Any:
+    """``options=`` as a record keeps it and a compiled callable is matched by it: a dict copy
+    ({} for none), or the :class:`~fxmem.options.Options` object itself."""
+    return dict(options) if isinstance(options, Mapping) else {} if options is None else options
 
 
 class Compiled:
@@ -79,6 +100,11 @@ def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = No
     """The records of every graph fxmem compiled for ``compiled`` (a ``torch.compile``d module or
     function, or the module itself), oldest first.
 
+    For a ``torch.compile``d module or function (or a module after ``module.compile()``), only
+    the records compiled with its ``options=`` count: ``torch.compile(m, options=A)`` and
+    ``torch.compile(m, options=B)`` each have their own (compiles with equal options share
+    Dynamo's graphs, and so their records). A module itself gives the records of every compile.
+
     A record belongs to a module when its graph took one of the module's parameters (or one of
     ``match``'s tensors) as an input: every live record is searched, so graphs of frames that a
     graph break left on their own (a nested function's, e.g. a loss) count too. When none
@@ -89,21 +115,48 @@ def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = No
     """
     if compiled is None:
         return _live()
+    asked = _requested(compiled)
+
+    def ours(comps: list[Compilation]) -> list[Compilation]:
+        return [c for c in comps if asked is _ANY or c.requested == asked]
+
     if match is None:
         module = getattr(compiled, "_orig_mod", compiled)
         if isinstance(module, torch.nn.Module):
             ids = {id(t) for t in module.parameters()}
-            mine = [c for c in _live() if c.inputs & ids] if ids else []
-            return mine or _by_code(compiled)
-        return _by_code(compiled)
+            mine = ours([c for c in _live() if c.inputs & ids]) if ids else []
+            return mine or ours(_by_code(compiled))
+        return ours(_by_code(compiled))
     ids = {id(t) for t in match}
-    found = _by_code(compiled)
+    found = ours(_by_code(compiled))
     return [c for c in found if c.inputs & ids] or found
 
 
 def _live() -> list[Compilation]:
-    found = [o for o in gc.get_objects() if type(o) is Compilation]  # type(): weak proxies raise on isinstance
-    return sorted(found, key=lambda c: c.created_ns)
+    return sorted(_LIVE, key=lambda c: c.created_ns)
+
+
+def _requested(compiled: Any) -> Any:
+    """The ``options=`` that ``torch.compile`` gave the backend for ``compiled`` (as
+    :func:`as_requested` keeps them), or :data:`_ANY` when it is no ``torch.compile``d callable.
+    Read from Dynamo's context for it: an optimized module's ``dynamo_ctx``, a compiled
+    function's closure, a module's ``module.compile()``d call."""
+    if isinstance(compiled, torch.nn.Module) and not hasattr(compiled, "dynamo_ctx"):
+        compiled = getattr(compiled, "_compiled_call_impl", None)
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is None:  # a compiled function: its context is in its closure
+        cells = [_contents(c) for c in getattr(compiled, "__closure__", None) or ()]
+        ctx = next((c for c in cells if isinstance(c, _TorchDynamoContext)), None)
+    backend = innermost_backend(ctx.callback) if ctx is not None and callable(ctx.callback) else None
+    kwargs = getattr(backend, "kwargs", None)  # torch.compile's backend wrapper passes these on
+    return as_requested(kwargs.get("options")) if isinstance(kwargs, dict) else _ANY
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _by_code(compiled: Any) -> list[Compilation]:

@@ -2,8 +2,9 @@
 
 Outside ``strict`` mode, a failing stage gives one warning naming the stage and the reason, and
 the graph falls back to a safe plan (the stage is skipped: save everything, no lowering, no
-chunking). Errors in what the user asked for (bad options, an infeasible budget) are not stage
-failures: they always raise.
+chunking); a report that cannot be built or written (the last stage) leaves the compile as it is,
+without that report. Errors in what the user asked for (bad options, an infeasible budget) are
+not stage failures: they always raise.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ _NOT_FAILURES = (OptionError, RestartAnalysis, SkipFrame)
 
 log = logging.getLogger("fxmem")
 
-STAGES = ("per_example", "lowering", "plan", "split", "compile")
+STAGES = ("per_example", "lowering", "plan", "split", "compile", "report")
+_SAFE_PLAN = "falling back to a safe plan for this graph (save everything, no lowering, no chunking)"
+_INSTEAD = {"report": "the compile goes on without this graph's report"}  # what the others do instead
 
 
 def is_failure(error: BaseException) -> bool:
@@ -33,8 +36,8 @@ def stage_failed(stage: str, error: BaseException, options) -> None:
     assert stage in STAGES, stage
     if options.strict or not is_failure(error):
         raise error
-    msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {error}); falling back to a safe "
-           "plan for this graph (save everything, no lowering, no chunking). Pass "
-           "options={'strict': True} to raise instead.")
+    reason = (str(error).strip().splitlines() or [""])[0][:200]  # brief: the first line of the error
+    msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {reason}); {_INSTEAD.get(stage, _SAFE_PLAN)}. "
+           "Pass options={'strict': True} to raise instead.")
     log.warning("%s", msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -2,7 +2,10 @@
 
 Sources, later ones winning: defaults < environment (``FXMEM_MEMORY_OPT_LEVEL``,
 ``FXMEM_MEMORY_OPT_CONFIG``, ``FXMEM_REPORT``) < the ``options=`` dict of ``torch.compile``.
-Every bad value raises ``ValueError`` naming the key, the value and what is allowed.
+Every bad value raises ``ValueError`` naming the key (the option, the environment variable, or the
+config file), the value and what is allowed. The environment variables that are not options
+(``FXMEM_MEASURE_SCRATCH``, ``FXMEM_KERNELS_TRITON``) are read where they act, and checked here
+too, so that a bad value fails the first compile instead of some later graph.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from typing import Any, Mapping
 
 from torch._dynamo.exc import ShortenTraceback
 
+from fxmem_kernels._common import ENV_TRITON, env_flag
+
 ENV_LEVEL = "FXMEM_MEMORY_OPT_LEVEL"
 ENV_CONFIG = "FXMEM_MEMORY_OPT_CONFIG"
 ENV_REPORT = "FXMEM_REPORT"
+ENV_MEASURE = "FXMEM_MEASURE_SCRATCH"  # measure CPU convolutions' temporaries (fxmem.measurements)
+ENV_CACHE = "FXMEM_CACHE"  # the folder of the measurements' cache (fxmem.measurements)
 
 INNER_COMPILERS = ("inductor", "eager")
 LOWERING_PATTERNS = (
@@ -55,18 +62,20 @@ class Rule:
         return f"{self.cluster}:{self.strategy}:{self.count}"
 
     @classmethod
-    def parse(cls, text: str, key: str = "config") -> "Rule":
+    def parse(cls, text: str, key: str = "config", source: str = "") -> "Rule":
+        """A rule from its text; ``source`` (e.g. "in config file 'r.json'") goes into errors."""
         parts = text.strip().split(":")
         allowed = "'cluster:strategy:count', strategy 0/1/2, count -1 or a positive integer, e.g. 'add+gelu+:1:-1'"
+        bad = ValueError(f"{_what(key)}: malformed rule {text!r}{' ' + source if source else ''}; expected {allowed}")
         if len(parts) != 3 or not parts[0]:
-            raise ValueError(f"option {key!r}: malformed rule {text!r}; expected {allowed}")
+            raise bad
         cluster, strategy, count = parts
         try:
             s, c = int(strategy), int(count)
         except ValueError:
-            raise ValueError(f"option {key!r}: malformed rule {text!r}; expected {allowed}") from None
+            raise bad from None
         if s not in _STRATEGIES or not (c == -1 or c > 0):
-            raise ValueError(f"option {key!r}: malformed rule {text!r}; expected {allowed}")
+            raise bad
         return cls(cluster, s, c)
 
 
@@ -96,8 +105,13 @@ class Options:
         return repr(tuple((f.name, getattr(self, f.name)) for f in fields(self)))
 
 
+def _what(key: str) -> str:
+    """How an error names ``key``: an environment variable by its name, an option quoted."""
+    return f"environment variable {key}" if key.startswith("FXMEM_") else f"option {key!r}"
+
+
 def _err(key: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"option {key!r}: got {value!r}; allowed: {allowed}")
+    return ValueError(f"{_what(key)}: got {value!r}; allowed: {allowed}")
 
 
 def _int(key: str, value: Any, allowed: str) -> int:
@@ -118,22 +132,13 @@ def parse_level(value: Any, key: str = "level") -> int:
 
 def parse_config(value: Any, key: str = "config") -> tuple[Rule, ...]:
     """Rules from a list of strings, a comma-separated string, or the path of a JSON list."""
+    source = ""
     if isinstance(value, (list, tuple)):
         items = list(value)
     elif isinstance(value, str):
         text = value.strip()
         if text.endswith(".json") or os.sep in text:
-            if not os.path.isfile(text):
-                raise ValueError(f"option {key!r}: config file {text!r} does not exist; allowed: a path to "
-                                 "a JSON list of 'cluster:strategy:count' strings, "
-                                 "or the strings inline, comma-separated")
-            try:
-                with open(text) as f:
-                    items = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"option {key!r}: config file {text!r} is not valid JSON ({e})") from None
-            if not isinstance(items, list):
-                raise _err(key, items, "the JSON file must hold a list of 'cluster:strategy:count' strings")
+            items, source = _config_file(text, key), f"in config file {text!r}"
         else:
             items = [t for t in text.split(",") if t.strip()]
     else:
@@ -141,9 +146,32 @@ def parse_config(value: Any, key: str = "config") -> tuple[Rule, ...]:
     rules = []
     for item in items:
         if not isinstance(item, str):
-            raise _err(key, item, "'cluster:strategy:count' strings")
-        rules.append(Rule.parse(item, key))
+            raise ValueError(f"{_what(key)}: got {item!r}{' ' + source if source else ''}; "
+                             "allowed: 'cluster:strategy:count' strings")
+        rules.append(Rule.parse(item, key, source))
     return tuple(rules)
+
+
+def _config_file(path: str, key: str) -> list:
+    """The JSON list a config file holds; every error names the file."""
+    where = f"{_what(key)}: config file {path!r}"
+    allowed = "a JSON list of 'cluster:strategy:count' strings"
+    if not os.path.isfile(path):
+        raise ValueError(f"{where} does not exist; allowed: a path to {allowed}, "
+                         "or the strings inline, comma-separated")
+    try:
+        with open(path, encoding="utf-8") as f:
+            items = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte {e.start}: {e.reason}); allowed: {allowed}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON ({e}); allowed: {allowed}") from None
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read ({e.strerror or e})") from None
+    if not isinstance(items, list):
+        raise ValueError(f"{where} holds {items!r}; allowed: the JSON file must hold a list of "
+                         "'cluster:strategy:count' strings")
+    return items
 
 
 def parse_bytes(value: Any, key: str) -> int:
@@ -157,7 +185,12 @@ def parse_bytes(value: Any, key: str) -> int:
         m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).upper() not in _UNITS:
             raise _err(key, value, allowed)
-        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        number, unit = m.group(1), m.group(2).upper()
+        if _UNITS[unit] == 1 and not re.fullmatch(r"-?\d+", number):  # "0.5": bytes come whole
+            hint = f"; for a fraction of level 0's saved bytes pass the float {key}={float(number)!r}" \
+                if key == "memory_budget" and 0 <= float(number) <= 1 else ""
+            raise ValueError(f"{_what(key)}: got {value!r}; bytes must be a whole number{hint}; allowed: {allowed}")
+        n = int(float(number) * _UNITS[unit])
     else:
         raise _err(key, value, allowed)
     if n < 0:
@@ -224,10 +257,23 @@ def _parse_lowering(value: Any, key: str = "lowering") -> bool | Mapping[str, bo
     return MappingProxyType(dict(value))
 
 
-def _parse_path(value: Any, key: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise _err(key, value, "None or a path string")
-    return value
+def _parse_report_path(value: Any, key: str = "report_path") -> str | None:
+    """A path whose folder exists (reports are written into it, not a folder made for them: a
+    typo is an error at compile time, not a tree of folders or a warning per graph)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise _err(key, value, "None or a file path, e.g. 'reports/mem.json'")
+    path = os.fspath(value)
+    if os.path.isdir(path):
+        raise ValueError(f"{_what(key)}: {path!r} is a directory; allowed: a file path in it, e.g. "
+                         f"{os.path.join(path, 'mem.json')!r} (each graph's report is written as "
+                         "mem.<compile>.<n>.json)")
+    folder = os.path.dirname(path)
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"{_what(key)}: directory {folder!r} does not exist (report_path={path!r}); "
+                         "create it first, or give a path in an existing directory")
+    return path
 
 
 _PARSERS = {
@@ -241,19 +287,22 @@ _PARSERS = {
     "lowering": _parse_lowering,
     "ghost_clipping": lambda v: _bool("ghost_clipping", v),
     "report": lambda v: _bool("report", v),
-    "report_path": lambda v: _parse_path(v, "report_path"),
+    "report_path": _parse_report_path,
     "strict": lambda v: _bool("strict", v),
 }
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """The options the environment sets; the other variables fxmem reads are checked, not kept."""
     out: dict[str, Any] = {}
     if env.get(ENV_LEVEL, "").strip():
         out["level"] = parse_level(env[ENV_LEVEL].strip(), key=ENV_LEVEL)
     if env.get(ENV_CONFIG, "").strip():
         out["config"] = parse_config(env[ENV_CONFIG], key=ENV_CONFIG)
     if env.get(ENV_REPORT, "").strip():
-        out["report"] = env[ENV_REPORT].strip().lower() not in ("0", "false", "no", "")
+        out["report"] = env_flag(ENV_REPORT, env[ENV_REPORT])
+    env_flag(ENV_MEASURE, env.get(ENV_MEASURE), default=True)
+    env_flag(ENV_TRITON, env.get(ENV_TRITON))
     return out
 
 

@@ -36,14 +36,22 @@ ENV_TRITON = "FXMEM_KERNELS_TRITON"
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
+def env_flag(name: str, value: str | None, default: bool = False) -> bool:
+    """An on/off environment variable's value: 1/true/yes/on or 0/false/no/off (any case),
+    ``default`` when unset or empty; anything else is a ``ValueError`` naming the variable."""
+    text = (value or "").strip().lower()
+    if not text:
+        return default
+    if text not in _ON + _OFF:
+        raise ValueError(f"environment variable {name}: got {value!r}; allowed: 1/true/yes/on or 0/false/no/off "
+                         f"(unset: {'on' if default else 'off'})")
+    return text in _ON
+
+
 def triton_on_cuda() -> bool:
     """Whether ``impl="auto"`` runs the Triton kernels on CUDA tensors: ``FXMEM_KERNELS_TRITON=1``
     (default off: the portable implementations)."""
-    value = os.environ.get(ENV_TRITON, "").strip().lower()
-    if value not in _ON + _OFF:
-        raise ValueError(f"fxmem_kernels: {ENV_TRITON}={os.environ[ENV_TRITON]!r}; allowed: "
-                         f"1/true/yes/on (Triton on CUDA) or 0/false/no/off/unset (portable PyTorch)")
-    return value in _ON
+    return env_flag(ENV_TRITON, os.environ.get(ENV_TRITON))
 
 
 def use_triton(impl: str, x: torch.Tensor) -> bool:

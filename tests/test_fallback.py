@@ -1,5 +1,6 @@
 """The failure policy: a stage that raises falls back to a safe plan with one warning naming the
 stage and the reason; strict=True raises instead. Failures are injected into each stage."""
+import copy
 import warnings
 
 import pytest
@@ -107,3 +108,49 @@ def test_user_errors_are_not_stage_failures():
     strict = torch.compile(model, backend="fxmem", options={"inner": "eager", "memory_budget": 1, "strict": True})
     with pytest.raises(ValueError, match="memory_budget"):
         strict(**inputs)
+
+
+def _train(model, inputs, options):
+    """One step of ``model`` compiled with ``options`` (eager inner compiler): the compiled
+    module and its parameters' gradients."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    compiled(**inputs).backward()
+    return compiled, [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_report_that_cannot_be_written_warns_once_and_the_compile_goes_on(tmp_path):
+    """report_path's folder exists, but the file each graph's report goes to is a folder: one
+    warning per graph, and the step trains with the plan, which is on the record."""
+    model, inputs = build(ModelSpec())
+    ref = copy.deepcopy(model)
+    _, want = _train(ref, inputs, {"lowering": False})
+    (tmp_path / "mem.0_0.0.json").mkdir()  # where graph 0 of compile 0/0 is written
+    with pytest.warns(RuntimeWarning) as caught:
+        compiled, got = _train(model, inputs, {"lowering": False, "report_path": str(tmp_path / "mem.json")})
+    msgs = [str(w.message) for w in caught if "stage" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("fxmem: stage 'report' failed (IsADirectoryError: ")
+    assert "the compile goes on without this graph's report. Pass options={'strict': True}" in msgs[0]
+    assert "safe plan" not in msgs[0]
+    (comp,) = fxmem.compilations(compiled)
+    assert len(comp.graphs) == 1 and comp.graphs[0].report is not None  # built, then not written
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_report_that_cannot_be_built_warns_and_strict_raises(monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("fxmem.report.publish"), "build", _boom)  # fxmem.report: a function
+    model, inputs = build(ModelSpec())
+    with pytest.warns(RuntimeWarning, match=r"stage 'report' failed \(RuntimeError: injected failure\); the "
+                                            r"compile goes on without this graph's report") as caught:
+        compiled, _ = _train(model, inputs, {"lowering": False, "report": True})
+    assert len([w for w in caught if "injected" in str(w.message)]) == 1
+    (comp,) = fxmem.compilations(compiled)
+    assert len(comp.graphs) == 1 and comp.graphs[0].report is None  # planned and used, not reported
+    assert comp.graphs[0].plan.saved_bytes > 0
+    assert fxmem.report(compiled).graphs == []
+    with pytest.raises(Exception, match="injected failure"):
+        _train(model, inputs, {"lowering": False, "strict": True})

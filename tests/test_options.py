@@ -1,6 +1,8 @@
 import json
+import re
 
 import pytest
+import torch
 
 from fxmem.lowering import enabled
 from fxmem.options import LOWERING_PATTERNS, Options, Rule, resolve
@@ -80,10 +82,51 @@ def test_bad_options(options, match):
 
 
 def test_bad_env_names_the_variable():
-    with pytest.raises(ValueError, match=r"option 'FXMEM_MEMORY_OPT_LEVEL': got '5'; allowed: 0, 1 or 2"):
+    with pytest.raises(ValueError, match=r"environment variable FXMEM_MEMORY_OPT_LEVEL: got '5'; allowed: 0, 1 or 2"):
         resolve({}, env={"FXMEM_MEMORY_OPT_LEVEL": "5"})
-    with pytest.raises(ValueError, match=r"option 'FXMEM_MEMORY_OPT_CONFIG': malformed rule 'nonsense'"):
+    with pytest.raises(ValueError, match=r"environment variable FXMEM_MEMORY_OPT_CONFIG: malformed rule 'nonsense'"):
         resolve({}, env={"FXMEM_MEMORY_OPT_CONFIG": "nonsense"})
+
+
+@pytest.mark.parametrize("name, default", [("FXMEM_REPORT", "off"), ("FXMEM_MEASURE_SCRATCH", "on"),
+                                           ("FXMEM_KERNELS_TRITON", "off")])
+def test_every_on_off_env_var_refuses_garbage(name, default):
+    """Each on/off variable fxmem reads is checked when options resolve, whether it is an option
+    (FXMEM_REPORT) or read where it acts (the measurements, the kernels' dispatch)."""
+    with pytest.raises(ValueError, match=rf"environment variable {name}: got 'maybe'; allowed: 1/true/yes/on or "
+                                         rf"0/false/no/off \(unset: {default}\)"):
+        resolve({}, env={name: "maybe"})
+    resolve({}, env={name: " Off "})  # any case, spaces around
+
+
+def test_fxmem_report_env_is_a_flag():
+    assert resolve({}, env={"FXMEM_REPORT": "yes"}).report is True
+    assert resolve({}, env={"FXMEM_REPORT": "0"}).report is False
+    assert resolve({"report": False}, env={"FXMEM_REPORT": "1"}).report is False  # options= wins
+
+
+@pytest.mark.parametrize("value, match", [
+    ("0.5", r"option 'memory_budget': got '0.5'; bytes must be a whole number; for a fraction of level 0's saved "
+            r"bytes pass the float memory_budget=0.5"),
+    ("1.5", r"option 'memory_budget': got '1.5'; bytes must be a whole number; allowed: a non-negative number"),
+    ("0.5B", r"option 'memory_budget': got '0.5B'; bytes must be a whole number"),
+])
+def test_a_fractional_byte_string_is_refused(value, match):
+    with pytest.raises(ValueError, match=match):
+        resolve({"memory_budget": value}, env=ENV0)
+    assert resolve({"memory_budget": "512"}, env=ENV0).memory_budget == 512  # whole bytes without a unit: fine
+    assert resolve({"memory_budget": "0.5KB"}, env=ENV0).memory_budget == 500
+
+
+def test_a_bad_option_fails_the_compile_as_an_option_error():
+    """Through torch.compile: OptionError itself (not BackendCompilerFailed), naming the option."""
+    import torch
+
+    from fxmem import OptionError
+
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend="fxmem", options={"inner": "eager", "memory_budget": "0.5"})
+    with pytest.raises(OptionError, match=r"pass the float memory_budget=0.5"):
+        compiled(torch.randn(3, 2))
 
 
 def test_bad_json_file(tmp_path):
@@ -94,3 +137,70 @@ def test_bad_json_file(tmp_path):
     path.write_text(json.dumps({"a": 1}))
     with pytest.raises(ValueError, match=r"the JSON file must hold a list"):
         resolve({"config": str(path)}, env=ENV0)
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "rules.json"
+    where = re.escape(f"config file '{path}'")
+    path.write_bytes(b'["add+:1:-1", "caf\xe9"]')  # latin-1, not UTF-8
+    with pytest.raises(ValueError, match=rf"option 'config': {where} is not UTF-8 text \(byte 18: invalid"):
+        resolve({"config": str(path)}, env=ENV0)
+    path.write_text(json.dumps(["add+:1:-1", "nonsense"]))
+    with pytest.raises(ValueError, match=rf"option 'config': malformed rule 'nonsense' in {where}"):
+        resolve({"config": str(path)}, env=ENV0)
+    path.write_text(json.dumps(["add+:1:-1", 7]))
+    with pytest.raises(ValueError, match=rf"option 'config': got 7 in {where}"):
+        resolve({"config": str(path)}, env=ENV0)
+    path.write_text(json.dumps({"a": 1}))
+    with pytest.raises(ValueError, match=rf"environment variable FXMEM_MEMORY_OPT_CONFIG: {where} holds \{{'a': 1\}}"):
+        resolve({}, env={"FXMEM_MEMORY_OPT_CONFIG": str(path)})
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ValueError, match=r"config file '.*dir.json' does not exist"):
+        resolve({"config": str(tmp_path / "dir.json")}, env=ENV0)
+
+
+def test_report_path_needs_an_existing_directory(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(ValueError, match=re.escape(f"option 'report_path': directory '{missing}' does not exist")):
+        resolve({"report_path": str(missing / "mem.json")}, env=ENV0)
+    with pytest.raises(ValueError, match=re.escape(f"option 'report_path': '{tmp_path}' is a directory; allowed: a "
+                                                   f"file path in it, e.g. '{tmp_path / 'mem.json'}'")):
+        resolve({"report_path": str(tmp_path)}, env=ENV0)
+    assert resolve({"report_path": tmp_path / "mem.json"}, env=ENV0).report_path == str(tmp_path / "mem.json")
+    assert resolve({"report_path": "mem.json"}, env=ENV0).report_path == "mem.json"  # the working directory
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).relu().sum()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_plan_shape_names_are_checked_against_the_graphs_dims(dynamic):
+    """An unknown name (static or dynamic graph) is an OptionError naming it and listing the
+    graph's dims; an input given more sizes than it has dims too; a known name plans there."""
+    import fxmem
+    from fxmem import OptionError
+
+    dims = re.escape("x.size(0) = ") + (r"s\d+" if dynamic else "8") + re.escape(", x.size(1) = 16")
+    for plan_shape, match in [({"x": [64], "nosuch": [2]}, rf"option 'plan_shape': 'nosuch' names no input or "
+                                                          rf"dimension of this graph; the graph's dims: {dims}; "),
+                              ({"x": [1, 2, 3]}, rf"option 'plan_shape': 'x': got \[1, 2, 3\]; allowed: at most 2 "
+                                                 rf"sizes; the graph's dims: {dims}")]:
+        torch._dynamo.reset()
+        compiled = torch.compile(_Linear(), backend="fxmem", dynamic=dynamic,
+                                 options={"inner": "eager", "plan_shape": plan_shape})
+        with pytest.raises(OptionError, match=match):
+            compiled(torch.randn(8, 16))
+    torch._dynamo.reset()
+    compiled = torch.compile(_Linear(), backend="fxmem", dynamic=dynamic,
+                             options={"inner": "eager", "plan_shape": {"x": [64, 16]}})
+    compiled(torch.randn(8, 16)).backward()
+    (comp,) = fxmem.compilations(compiled)
+    sizes = comp.graphs[0].sizes
+    assert {sizes.names[s]: v for s, v in sizes.values.items()} == ({"x.size(0)": 64, "x.size(1)": 16} if dynamic
+                                                                    else {})

@@ -175,3 +175,50 @@ def test_a_recomputed_view_of_a_weight_saves_nothing(compiled_llama):
     assert rows["t+"].frequency > 0 and rows["t+"].recomputed > 0
     assert rows["t+"].saving_bytes == 0 and rows["t+"].saving_formula == "0"
     assert any(r.saving_bytes > 0 for r in rows.values())
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x))).square().mean()
+
+
+def test_two_compiles_of_one_module_keep_their_own_records():
+    """torch.compile(m, options=A) and torch.compile(m, options=B): each callable's records and
+    report are its own compile's; the module itself has both (after module.compile(), that
+    compile's); equal options share Dynamo's graph."""
+    m, x = _TwoLayers(), torch.randn(4, 8)
+    a = torch.compile(m, backend="fxmem", options={"inner": "eager", "lowering": False})
+    b = torch.compile(m, backend="fxmem", options={"inner": "eager", "lowering": False, "level": 1})
+    a(x).backward()
+    b(x).backward()
+    (ra,), (rb,) = fxmem.compilations(a), fxmem.compilations(b)
+    assert (ra.options.level, rb.options.level) == (0, 1)
+    assert [g.level for g in fxmem.report(a).graphs] == [0]
+    assert [g.level for g in fxmem.report(b).graphs] == [1]
+    assert fxmem.compilations(m) == [ra, rb]
+    same = torch.compile(m, backend="fxmem", options={"inner": "eager", "lowering": False})
+    same(x).backward()  # served by a's graph: Dynamo shares it between equal backends
+    assert fxmem.compilations(same) == [ra] and fxmem.compilations(m) == [ra, rb]
+    m.compile(backend="fxmem", options={"inner": "eager", "lowering": False, "level": 2})
+    m(x).backward()  # the module's own compiled call: the module reports that compile
+    assert [c.options.level for c in fxmem.compilations(m)] == [2]
+    assert fxmem.compilations(a) == [ra] and fxmem.compilations(b) == [rb]
+
+
+def test_two_compiles_of_one_function_keep_their_own_records():
+    def step(w, x):
+        return torch.nn.functional.gelu(x @ w).square().sum()
+
+    w, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
+    f = torch.compile(step, backend="fxmem", options={"inner": "eager", "lowering": False})
+    g = torch.compile(step, backend="fxmem", options={"inner": "eager", "lowering": False, "level": 2})
+    f(w, x).backward()
+    g(w, x).backward()
+    assert [c.options.level for c in fxmem.compilations(f)] == [0]
+    assert [c.options.level for c in fxmem.compilations(g)] == [2]
+    assert [c.options.level for c in fxmem.compilations(f, match=[w])] == [0]
+    assert [c.options.level for c in fxmem.compilations(step)] == [0, 2]  # the function itself: both

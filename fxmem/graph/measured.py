@@ -5,32 +5,27 @@ oneDNN picks a layout per shape and reorders into it: a convolution's temporarie
 nothing (1x1) to several times its output, with no formula that holds across shapes. So they are
 measured: the op at the plan shape on random data, in a fresh Python process (the allocator's
 events come from the profiler, and the caller may be profiling already), every configuration of a
-graph in one run, cached in memory and on disk (``$FXMEM_CACHE``, default ``~/.cache/fxmem``),
-keyed by torch's version and the thread count. A dynamic batch scales the measurement linearly
-(reorder buffers are per example). ``FXMEM_MEASURE_SCRATCH=0`` turns it off (counted as 0).
+graph in one run, cached in memory and on disk, keyed by torch's version and the thread count
+(the child process and the cache file: :mod:`fxmem.measurements`). A dynamic batch scales the
+measurement linearly (reorder buffers are per example). ``FXMEM_MEASURE_SCRATCH=0`` turns it off
+(counted as 0).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
 
+from .. import measurements
 from .sizes import dim_expr
 
-log = logging.getLogger("fxmem")
 aten = torch.ops.aten
 MEASURED = {aten.convolution.default, aten.convolution_backward.default}
-_CHILD = Path(__file__).with_name("_measure_child.py")
 
 
 def _hint(d) -> int:
@@ -67,47 +62,17 @@ def _config(target, args: Sequence) -> tuple[str, Any] | None:
     return key, config
 
 
-def _cache_file() -> Path:
-    return Path(os.environ.get("FXMEM_CACHE") or Path.home() / ".cache" / "fxmem") / "scratch.json"
-
-
 @functools.cache
 def known() -> dict[str, int]:
-    """The measurements of this process: the disk cache's, then what it measures (a cache of
-    machine facts, not of compile results: the same for every compile)."""
-    try:
-        return dict(json.loads(_cache_file().read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _measure(configs: dict[str, Any]) -> None:
-    """Measure ``configs`` (key -> config) in one child process; store what comes back."""
-    log.info("fxmem: measuring the CPU temporaries of %d kernel configuration(s)", len(configs))
-    payload = json.dumps({"threads": torch.get_num_threads(), "configs": list(configs.values())})
-    try:
-        done = subprocess.run([sys.executable, str(_CHILD)], input=payload, capture_output=True, text=True,
-                              timeout=600, check=True)
-        results = json.loads(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
-        log.warning("fxmem: could not measure kernel temporaries (%s); counting them as 0", e)
-        known().update(dict.fromkeys(configs, 0))  # for this process only: not written to disk
-        return
-    known().update(zip(configs, results))
-    path = _cache_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known()))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    """The measurements of this process: the disk cache's valid entries, then what it measures (a
+    cache of machine facts, not of compile results: the same for every compile)."""
+    return measurements.read(measurements.cache_file())
 
 
 def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
     """Temporary bytes of a :data:`MEASURED` op on CPU, measured (and, for a call in a graph,
     every other such call of that graph with it)."""
-    if os.environ.get("FXMEM_MEASURE_SCRATCH", "1") == "0" or kwargs:
+    if kwargs or not measurements.enabled():
         return sympy.Integer(0)
     found = _config(target, args)
     if found is None:
@@ -117,7 +82,7 @@ def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Ex
         graph = next((a.graph for a in args if isinstance(a, fx.Node)), None)
         calls = [(n.target, n.args) for n in graph.nodes if n.target in MEASURED] if graph else [(target, args)]
         todo = dict(c for c in (_config(t, a) for t, a in calls) if c is not None and c[0] not in known())
-        _measure({key: found[1], **todo})
+        known().update(measurements.measure({key: found[1], **todo}))
     bytes_ = sympy.Integer(known()[key])
     first = value_of(args[0])
     batch = first.shape[0] if first.dim() else 1

@@ -32,11 +32,10 @@ def readable(source_name: str) -> str:
     return f"{m.group(1)}.size({m.group(2)})" if m else source_name
 
 
-def static_dims(gm: fx.GraphModule) -> dict[str, int]:
-    """Readable name -> size of every input dimension Dynamo specialized (``input_ids.size(0)``
-    of a batch of 1, which Dynamo never makes dynamic), for the inputs of a Dynamo graph that
-    are not parameters or buffers: a prediction at another size of these must refuse."""
-    out: dict[str, int] = {}
+def input_dims(gm: fx.GraphModule) -> dict[str, int | str]:
+    """Readable name -> size (a static dimension) or symbol (a dynamic one, ``"s52"``) of every
+    dimension of the inputs of a Dynamo graph that are not parameters or buffers."""
+    out: dict[str, int | str] = {}
     for n in gm.graph.find_nodes(op="placeholder"):
         arg = n.meta.get("grapharg")
         example = getattr(arg, "example", None)
@@ -46,9 +45,41 @@ def static_dims(gm: fx.GraphModule) -> dict[str, int]:
         if "._buffers[" in name or "._parameters[" in name:
             continue
         for i, d in enumerate(n.meta["example_value"].shape):
-            if isinstance(d, int):
-                out[readable(f"{name}.size()[{i}]")] = d
+            out[readable(f"{name}.size()[{i}]")] = str(d.node.expr) if isinstance(d, torch.SymInt) else int(d)
     return out
+
+
+def static_dims(gm: fx.GraphModule) -> dict[str, int]:
+    """Readable name -> size of every input dimension Dynamo specialized (``input_ids.size(0)``
+    of a batch of 1, which Dynamo never makes dynamic), for the inputs of a Dynamo graph that
+    are not parameters or buffers: a prediction at another size of these must refuse."""
+    return {name: d for name, d in input_dims(gm).items() if isinstance(d, int)}
+
+
+def check_plan_shape(gm: fx.GraphModule, plan_shape: Mapping[str, tuple[int, ...]] | None) -> None:
+    """Raise :class:`OptionError` unless every key of ``plan_shape`` names an input of the Dynamo
+    graph ``gm`` (with at most as many sizes as it has dimensions) or one of its dynamic
+    dimensions' symbols (with one size). Checked on Dynamo's graph, where inputs have their names;
+    :meth:`SymbolicSizes.of` then applies the sizes of the dynamic dimensions (a static one keeps
+    the only size its graph runs at)."""
+    if not plan_shape:
+        return
+    dims = input_dims(gm)
+    rank: dict[str, int] = {}
+    for name in dims:
+        input_name = name.rsplit(".size(", 1)[0]
+        rank[input_name] = rank.get(input_name, 0) + 1
+    symbols = {d for d in dims.values() if isinstance(d, str)}
+    listed = ", ".join(f"{name} = {d}" for name, d in dims.items()) or "none"
+    for key, sizes in plan_shape.items():
+        if (key in rank and len(sizes) <= rank[key]) or (key in symbols and len(sizes) == 1):
+            continue
+        if key in rank or key in symbols:
+            want = f"at most {rank[key]} sizes" if key in rank else "one size"
+            raise OptionError(f"option 'plan_shape': {key!r}: got {list(sizes)}; allowed: {want}; "
+                              f"the graph's dims: {listed}")
+        raise OptionError(f"option 'plan_shape': {key!r} names no input or dimension of this graph; the graph's "
+                          f"dims: {listed}; allowed: an input name (sizes in order) or a dynamic dim's symbol")
 
 
 def model_state_bytes(gm: fx.GraphModule) -> tuple[int, int]:
@@ -112,22 +143,18 @@ class SymbolicSizes:
         return sizes
 
     def _resolve_plan_shape(self, plan_shape: Mapping[str, tuple[int, ...]]) -> dict[sympy.Symbol, int]:
+        """The values ``plan_shape`` gives this graph's symbols (its keys were checked against the
+        Dynamo graph's inputs: :func:`check_plan_shape`)."""
         by_name = {s.name: s for s in self.names}
         out = {}
         for key, dims in plan_shape.items():
             if key in by_name and len(dims) == 1:  # by symbol name: {"s52": [64]}
                 out[by_name[key]] = dims[0]
                 continue
-            found = False
             for sym, name in self.names.items():
                 m = re.fullmatch(rf"{re.escape(key)}\.size\((\d+)\)", name)
                 if m and int(m.group(1)) < len(dims):
                     out[sym] = dims[int(m.group(1))]
-                    found = True
-            if not found:
-                known = sorted({n.split(".size")[0] for n in self.names.values()} | {s.name for s in self.names})
-                raise OptionError(f"option 'plan_shape': {key!r} names no dynamic input dimension; "
-                                 f"allowed: {', '.join(known) or 'none (the graph has static shapes)'}")
         return out
 
     def nbytes(self, node: fx.Node) -> sympy.Expr:

@@ -46,7 +46,8 @@ def test_explicit_impls_ignore_the_env_var(monkeypatch, cuda_tensor):
 
 def test_a_bad_env_value_names_the_variable_and_what_is_allowed(monkeypatch, cuda_tensor):
     monkeypatch.setenv(ENV_TRITON, "maybe")
-    with pytest.raises(ValueError, match=r"FXMEM_KERNELS_TRITON='maybe'; allowed: 1/true/yes/on .* or 0/false"):
+    with pytest.raises(ValueError, match=r"environment variable FXMEM_KERNELS_TRITON: got 'maybe'; "
+                                         r"allowed: 1/true/yes/on or 0/false/no/off \(unset: off\)"):
         use_triton("auto", cuda_tensor)
 
 

@@ -1,4 +1,4 @@
-"""Run by ``fxmem.graph.measured`` in a fresh process: reads {"threads", "configs"} as JSON on
+"""Run by ``fxmem.measurements`` in a fresh process: reads {"threads", "configs"} as JSON on
 stdin, prints one JSON list: per config, the bytes its op allocated at its peak beyond the fresh
 tensors it returned (torch only: no fxmem import, no profiler of the parent's)."""
 
