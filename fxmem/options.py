@@ -258,8 +258,8 @@ def _parse_lowering(value: Any, key: str = "lowering") -> bool | Mapping[str, bo
 
 
 def _parse_report_path(value: Any, key: str = "report_path") -> str | None:
-    """A path whose folder exists (reports are written into it, not a folder made for them: a
-    typo is an error at compile time, not a tree of folders or a warning per graph)."""
+    """A file path (its folder is made when the first report is written, as ``open`` with
+    ``mkdir -p`` would: a report path must never fail a compile)."""
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
@@ -269,10 +269,6 @@ def _parse_report_path(value: Any, key: str = "report_path") -> str | None:
         raise ValueError(f"{_what(key)}: {path!r} is a directory; allowed: a file path in it, e.g. "
                          f"{os.path.join(path, 'mem.json')!r} (each graph's report is written as "
                          "mem.<compile>.<n>.json)")
-    folder = os.path.dirname(path)
-    if folder and not os.path.isdir(folder):
-        raise ValueError(f"{_what(key)}: directory {folder!r} does not exist (report_path={path!r}); "
-                         "create it first, or give a path in an existing directory")
     return path
 
 

@@ -159,10 +159,14 @@ def test_config_file_errors_name_the_file(tmp_path):
         resolve({"config": str(tmp_path / "dir.json")}, env=ENV0)
 
 
-def test_report_path_needs_an_existing_directory(tmp_path):
+def test_report_path_is_a_file_path_and_its_folder_is_created(tmp_path):
+    """A path in a missing folder compiles, and the report lands there; a folder is refused."""
     missing = tmp_path / "no" / "such"
-    with pytest.raises(ValueError, match=re.escape(f"option 'report_path': directory '{missing}' does not exist")):
-        resolve({"report_path": str(missing / "mem.json")}, env=ENV0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    compiled = torch.compile(m, backend="fxmem", options={"inner": "eager", "report_path": str(missing / "mem.json")})
+    compiled(torch.randn(2, 4)).sum().backward()
+    written = list(missing.glob("mem.*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())
     with pytest.raises(ValueError, match=re.escape(f"option 'report_path': '{tmp_path}' is a directory; allowed: a "
                                                    f"file path in it, e.g. '{tmp_path / 'mem.json'}'")):
         resolve({"report_path": str(tmp_path)}, env=ENV0)

@@ -9,6 +9,7 @@ warning and the compile goes on; ``strict=True`` raises)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Callable
 
@@ -49,6 +50,7 @@ def _report(comp: Compilation, graph: PlannedGraph, index: int, lowered: "Loweri
     trace_plan(lambda: MemoryReport([rep]).to_json(), comp.compile_id)
     if comp.options.report_path:
         path = report_json_path(comp.options.report_path, rep)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         MemoryReport([rep]).to_json(path)
         log.info("fxmem: wrote the report of graph %d to %s", index, path)
 
