@@ -9,11 +9,11 @@ not stage failures: they always raise.
 from __future__ import annotations
 
 import logging
-import warnings
 
 from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
 from .options import OptionError
+from .warn import warn
 
 # The user's errors, and Dynamo's control flow (it restarts or skips a frame by raising).
 _NOT_FAILURES = (OptionError, RestartAnalysis, SkipFrame)
@@ -40,4 +40,4 @@ def stage_failed(stage: str, error: BaseException, options) -> None:
     msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {reason}); {_INSTEAD.get(stage, _SAFE_PLAN)}. "
            "Pass options={'strict': True} to raise instead.")
     log.warning("%s", msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warn(msg, RuntimeWarning)

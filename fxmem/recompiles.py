@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from pathlib import Path
 from types import CodeType, FrameType
 from typing import Callable
 
 import torch
+
+from .warn import user_line
 
 _LOGGER = "torch._dynamo.convert_frame"
 _MARK = "hit config."  # Dynamo's message: "torch._dynamo hit config.%s (%s)" (recompile_limit, ...)
@@ -52,7 +53,7 @@ class _Watch(logging.Filter):
             return
         self.warned.add(key)
         name = record.args[0] if isinstance(record.args, tuple) and record.args else "recompile_limit"
-        filename, lineno = _user_line(sys._getframe()) or (code.co_filename, code.co_firstlineno)
+        filename, lineno = user_line(sys._getframe()) or (code.co_filename, code.co_firstlineno)
         warnings.warn_explicit(
             f"fxmem: Dynamo's {name} ({limit}) was reached: this compiled call now runs eagerly, without fxmem's "
             f"savings. Compile with dynamic=True for changing shapes, raise torch._dynamo.config.{name}, or call "
@@ -76,19 +77,6 @@ def _compiling(frame: FrameType | None, fxmem_backend: Callable | None) -> tuple
             if backend is fxmem_backend:
                 return local["code"], config.recompile_limit
             return None
-        frame = frame.f_back
-    return None
-
-
-_LIBRARIES = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, logging, sys.modules[__package__]))
-
-
-def _user_line(frame: FrameType | None) -> tuple[str, int] | None:
-    """The innermost caller outside torch, fxmem and logging (the line that called the compiled model)."""
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith("<") and not str(Path(path).resolve()).startswith(_LIBRARIES):
-            return path, frame.f_lineno
         frame = frame.f_back
     return None
 

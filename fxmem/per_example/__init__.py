@@ -3,13 +3,13 @@ or a batch sum, and run them in microbatches (``options={"microbatch_size": m | 
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from ..options import OptionError
+from ..warn import warn
 from .chunk import split_region
 from .flat import Ghost, plan_flat
 from .regions import Unsupported, find_regions
@@ -66,7 +66,7 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
         if whole_batch:
             log.debug("fxmem per-example: no ghost clipping for this graph: %s", e)
         else:
-            warnings.warn(f"fxmem per-example: not chunking this graph: {e}", stacklevel=2)
+            warn(f"fxmem per-example: not chunking this graph: {e}")
         return None
     return ChunkedStep(parts, plan, compile_chunk)
 

@@ -26,7 +26,6 @@ walk, adds those. Only candidates that no other beats on both bytes and recomput
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch.fx as fx
@@ -34,6 +33,7 @@ import torch.fx as fx
 from ..graph.joint import JointGraph
 from ..graph.sizes import SymbolicSizes
 from ..options import OptionError, Options
+from ..warn import warn
 from .mincut import CutProblem, frontier, saved_bytes
 from .split import Walk
 from .steppeak import StepPeak
@@ -240,7 +240,7 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
                    f"peak higher than a higher budget's: simulated peak {chosen[3]} bytes against {ceiling} (every "
                    f"plan that saves fewer bytes recomputes more values alive at the peak); memory_budget=0.0 or "
                    f"peak_budget asks for the least peak")
-            warnings.warn(msg, UserWarning, stacklevel=2)
+            warn(msg)
             notes.append(msg)
     chosen = chosen or lowest
     saved, lam, nbytes, peak, cost = chosen
@@ -257,7 +257,7 @@ def _unmet(options: Options, msg: str, lowest: tuple, notes: list[str]) -> None:
         raise BudgetError(msg)
     msg += (f"; using the plan of least simulated peak instead: {lowest[2]} bytes saved, simulated peak "
             f"{lowest[3]} bytes (strict=True raises)")
-    warnings.warn(msg, UserWarning, stacklevel=3)
+    warn(msg)
     notes.append(msg)
 
 

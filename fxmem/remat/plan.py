@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import sympy
@@ -16,6 +15,7 @@ from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
+from ..warn import warn
 from .allowlist import CHEAP, HEAVY, kind
 from .budget import within_budget
 from .clusters import Cluster, find_clusters
@@ -97,7 +97,7 @@ def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx
         matching = [c for c in clusters if c.id == rule.cluster]
         if not matching:
             msg = f"rule {rule}: cluster {rule.cluster!r} matches nothing; clusters in this graph: {', '.join(ids)}"
-            warnings.warn(msg, stacklevel=2)
+            warn(msg)
             notes.append(msg)
             continue
         chosen = matching if rule.count == -1 else matching[: rule.count]
@@ -145,7 +145,7 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         saved = solve(problem(frozenset(recomputable)), lam)
     except NoPlan as e:  # e.g. a rule or tag asks to recompute what cannot be: keep those instead
         msg = f"fxmem: the requested recomputation is impossible ({e}); those values are kept instead"
-        warnings.warn(msg, stacklevel=2)
+        warn(msg)
         notes.append(msg)
         no_save.clear()
         saved = solve(problem(frozenset(recomputable)), lam)

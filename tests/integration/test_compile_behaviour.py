@@ -270,3 +270,16 @@ def test_changing_sequence_lengths_print_nothing(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
     assert done.stderr == ""
+
+
+def test_compile_warnings_point_at_the_users_line():
+    """A warning raised while Dynamo compiles (a rule that matches nothing, here) names the
+    user's call, not a line inside fxmem or torch."""
+    import warnings
+
+    compiled = torch.compile(_model(), backend="fxmem", options={**EAGER, "config": "softmax+:1:-1"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 16)).backward()  # the line warnings must name
+    ours = [w for w in caught if "matches nothing" in str(w.message)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in caught]

@@ -1,0 +1,40 @@
+"""fxmem's warnings, pointed at the user's line.
+
+A warning raised while Dynamo compiles would name a line inside fxmem or torch
+(``fxmem/remat/plan.py:163``); the user's line is the call that made the compile happen, the
+innermost frame outside torch, fxmem and the standard library's ``logging``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+from types import FrameType
+
+import torch
+
+_SKIP = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, logging)) + (
+    str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "fxmem_kernels"))
+
+
+def _outside(frame: FrameType) -> bool:
+    path = frame.f_code.co_filename
+    return not path.startswith("<") and not str(Path(path).resolve()).startswith(_SKIP)
+
+
+def user_line(frame: FrameType | None = None) -> tuple[str, int] | None:
+    """(file, line) of the innermost caller outside torch, fxmem and logging; None if none is."""
+    frame = frame or sys._getframe(1)
+    while frame is not None and not _outside(frame):
+        frame = frame.f_back
+    return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` at the user's line: its filters and once-per-location rule apply there."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and not _outside(frame):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
