@@ -157,7 +157,7 @@ def test_backward_recomputes_when_forward_computed_no_gradients(reduction):
     opts = (-100, 0.1, 0.7, 4.0, 1e-2, SMALL_WS, "torch")
     kw = dict(label_smoothing=0.1, logit_scale=0.7, softcap=4.0, z_loss=1e-2, reduction=reduction)
     assert_same(lambda h, w, b: lce_mod._LinearCrossEntropy.apply(h, w, b, t, opts, reduction,
-                                                                  (False, False, False), None)[0],
+                                                                  (False, False, False), None, None)[0],
                 lambda h, w, b: _ref(h, w, t, b, **kw), [h, w, b])
 
 
