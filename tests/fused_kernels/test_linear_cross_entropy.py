@@ -124,6 +124,19 @@ def test_low_precision_matches(dtype, reduction):
     assert loss.dtype == gh.dtype == gw.dtype == gb.dtype == dtype
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_dtype_keeps_a_bf16_inputs_loss_unrounded(reduction):
+    # As F.cross_entropy(linear(h, w, b).float(), t) under bf16 (what autocast computes): bf16
+    # logits, fp32 loss; without loss_dtype the loss would be rounded to bf16 (2**-9 relative).
+    h, w, b, t = _inputs((3, 7), bias=True, dtype=torch.bfloat16)
+    loss = linear_cross_entropy(h, w, t, b, reduction=reduction, loss_dtype=torch.float32, workspace_bytes=5 * V * 6)
+    ref = F.cross_entropy(F.linear(h, w, b).float().view(-1, V), t.view(-1), reduction=reduction)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref.view(loss.shape), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(loss.sum(), [h, w, b])
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", ["plain", "all", "zloss"])
 def test_triton_kernel_through_interpreter(reduction, opts, monkeypatch):
