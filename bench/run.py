@@ -244,6 +244,15 @@ def markdown(doc: dict) -> str:
             f"{_f(r.get('time_vs_eager'), '.2f')} | {_f(r['compile_s'], '.1f')} | {graphs} | {r.get('check', '')} |"
         )
     lines.append("")
+    lowering = [r for r in doc["results"] if r["status"] == "ok" and "lowered" in r]
+    if lowering:
+        lines += ["Lowered patterns (fxmem rows; the fused loss's reason where it was left alone):", ""]
+        for r in lowering:
+            where = r["model"] + ("" if r.get("autocast", "off") == "off" else f" {r['autocast']}")
+            counts = ", ".join(f"{k} {v}" for k, v in r["lowered"].items()) or "none"
+            why = r.get("left_alone", {}).get("fused_linear_cross_entropy")
+            lines.append(f"- {where} / `{r['config']}`: {counts}" + (f"; fused loss left alone: {why}" if why else ""))
+        lines.append("")
     shapes = "; ".join(f"`{k}` {', '.join(f'{a}={b}' for a, b in v.items())}" for k, v in run["model_kwargs"].items())
     lines += [f"Models: {shapes}.", ""]
     if notes:

@@ -135,6 +135,8 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     result["grad_norm"] = _grad_norm(model)
     graphs_after_first = counters["stats"].get("unique_graphs", 0)
     del loss
+    if cfg.kind == "fxmem":
+        result.update(_lowering(fn))
 
     # 2. remaining warm-up
     for _ in range(warmup - 1):
@@ -177,6 +179,21 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         "graph_breaks": sum(counters["graph_break"].values()),
     })
     return result
+
+
+def _lowering(compiled) -> dict:
+    """What fxmem lowered (pattern -> count over the compile's graphs) and the first reason each
+    pattern it found was left alone."""
+    import fxmem
+
+    lowered, left = {}, {}
+    for g in fxmem.report(compiled).graphs:
+        for r in g.lowerings:
+            lowered[r.pattern] = lowered.get(r.pattern, 0) + r.count
+        for note in g.lowering_notes:  # "left alone: <pattern> at <node>: <why>"
+            pattern, _, why = note.removeprefix("left alone: ").partition(" at ")
+            left.setdefault(pattern, why.partition(": ")[2])
+    return {"lowered": lowered, "left_alone": left}
 
 
 # fxmem's compile-time error for a memory budget below its feasible floor (fxmem/remat/plan.py).
