@@ -13,9 +13,11 @@ explicitly, a call computes the same thing under any autocast state (and on meta
 Autocast's op lists (torch 2.13: ``aten/src/ATen/autocast_mode.{h,cpp}``; checked on CPU by
 ``tests/test_lowering.py``): matmuls (``linear``, ``addmm``, ``mm``, ...) run in the autocast
 dtype on CPU and CUDA; ``cross_entropy`` computes in fp32 on both (CPU lists
-``cross_entropy_loss``, CUDA ``log_softmax`` and ``nll_loss``); ``layer_norm``, ``pow`` and
-``rsqrt`` are fp32 ops on CUDA and on no list on CPU (they run in their inputs' dtype there);
-GELU, SiLU, dropout, ``mean`` and pointwise arithmetic are on no list on either.
+``cross_entropy_loss``, CUDA ``log_softmax`` and ``nll_loss``); ``layer_norm`` (and ``pow``,
+``rsqrt``) are fp32 ops on CUDA and on no list on CPU (they run in their inputs' dtype there);
+GELU, SiLU, dropout, ``mean`` and pointwise arithmetic are on no list on either. The patterns need
+the first three; RMSNorm's statistics are fp32 as written, and a written-out GELU whose ``pow``
+CUDA ran in fp32 is caught by its output dtype (:mod:`.patterns`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 # Devices whose lists this module knows; autocast on another one turns lowering off.
 DEVICES = ("cpu", "cuda")
 # Ops our patterns match that autocast runs in fp32, by device ("lower": the autocast dtype).
-_FP32 = {"cpu": frozenset({"cross_entropy"}), "cuda": frozenset({"cross_entropy", "layer_norm", "pow", "rsqrt"})}
+_FP32 = {"cpu": frozenset({"cross_entropy"}), "cuda": frozenset({"cross_entropy", "layer_norm"})}
 
 State = dict  # device type -> the dtype autocast casts matmuls to there (only enabled devices)
 
