@@ -3,6 +3,7 @@
     python bench/run.py --name foundation
     python bench/run.py --name foundation --quick             # small shapes: writes foundation-quick.*
     python bench/run.py --name lvl --models hf_llama --configs 'eager,fxmem-eager,fxmem-eager:{"level":1}'
+    python bench/run.py --name amp --models hf_gpt2 --configs eager,fxmem-eager --autocast off,bf16
 
 Writes ``<out-dir>/<name>.json`` (every measurement; the run's settings under ``run``; commit,
 machine, versions and the command under ``meta``) and ``<out-dir>/<name>.md`` (a table; see
@@ -28,10 +29,14 @@ sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
 import configs  # noqa: E402
-from worker import RESULT_PREFIX  # noqa: E402
+from worker import AUTOCAST, RESULT_PREFIX  # noqa: E402
 
 LOSS_RTOL = 1e-5  # first-step loss vs eager
 GRAD_RTOL = 1e-4  # first-step gradient norm vs eager
+# Under autocast, vs eager under the same autocast: a fused kernel that rounds once where eager's
+# ops round each step (fxmem's lowering) is a few 16-bit roundings away (tests/integration/test_autocast.py
+# measures gradient entries within 6.3e-3 x the largest); the bound is one bf16 rounding (2**-8).
+AMP_LOSS_RTOL, AMP_GRAD_RTOL = 1e-4, 2 ** -8
 MIB = 2**20
 
 
@@ -71,10 +76,10 @@ class _Progress:
 # --- one run -------------------------------------------------------------------------------
 
 
-def run_one(model: str, spec: str, a: argparse.Namespace) -> dict:
+def run_one(model: str, spec: str, a: argparse.Namespace, autocast: str = "off") -> dict:
     cmd = [sys.executable, str(HERE / "worker.py"), "--model", model, "--config", spec,
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--mem-steps", str(a.mem_steps),
-           "--device", a.device]
+           "--device", a.device, "--autocast", autocast]
     if a.quick:
         cmd.append("--quick")
     env = dict(os.environ)
@@ -110,7 +115,7 @@ def run_one(model: str, spec: str, a: argparse.Namespace) -> dict:
             break
     if result is None:
         why = f"timed out after {a.timeout} s" if rc is None else f"worker exited with {rc} and no result"
-        result = {"model": model, "config": spec, "status": "error", "reason": why}
+        result = {"model": model, "config": spec, "autocast": autocast, "status": "error", "reason": why}
     if result["status"] == "error":
         result["stderr_tail"] = err[-4000:]
     result["wall_s"] = wall
@@ -133,13 +138,18 @@ def _own_masks(r: dict) -> bool:
     return cfg.kind == "inductor" or (cfg.kind == "fxmem" and cfg.options.get("inner") == "inductor")
 
 
+def _key(r: dict) -> tuple[str, str]:
+    """Results compare with eager of the same model under the same autocast."""
+    return r["model"], r.get("autocast", "off")
+
+
 def annotate(results: list[dict]) -> None:
     """Add ratios to eager and the loss / gradient check to every ok result, in place."""
     ok = [r for r in results if r["status"] == "ok"]
-    base = {r["model"]: r for r in ok if r["config"] == configs.BASELINE}
-    inductor = {r["model"]: r for r in ok if r["config"] == "inductor"}
+    base = {_key(r): r for r in ok if r["config"] == configs.BASELINE}
+    inductor = {_key(r): r for r in ok if r["config"] == "inductor"}
     for r in ok:
-        b = base.get(r["model"])
+        b = base.get(_key(r))
         if "floor" in r:
             r["check"] = _floor_terms(r["floor"])
         if b is None:
@@ -153,16 +163,17 @@ def annotate(results: list[dict]) -> None:
             continue
         ref, against = b, ""
         if _own_masks(r):
-            if r["config"] == "inductor" or r["model"] not in inductor:
+            if r["config"] == "inductor" or _key(r) not in inductor:
                 r["check"] = "Inductor's dropout masks (no reference)"
                 continue
-            ref, against = inductor[r["model"]], " vs inductor"
+            ref, against = inductor[_key(r)], " vs inductor"
         r["loss_rel_diff"] = _rel(r["loss"], ref["loss"])
         r["grad_norm_rel_diff"] = _rel(r["grad_norm"], ref["grad_norm"])
+        amp = r.get("autocast", "off") != "off"
         bad = []
-        if not r["loss_rel_diff"] <= LOSS_RTOL:
+        if not r["loss_rel_diff"] <= (AMP_LOSS_RTOL if amp else LOSS_RTOL):
             bad.append(f"loss {r['loss_rel_diff']:.1e}")
-        if not r["grad_norm_rel_diff"] <= GRAD_RTOL:
+        if not r["grad_norm_rel_diff"] <= (AMP_GRAD_RTOL if amp else GRAD_RTOL):
             bad.append(f"grad {r['grad_norm_rel_diff']:.1e}")
         r["check"] = ("ok" if not bad else "MISMATCH " + ", ".join(bad)) + against
 
@@ -192,6 +203,11 @@ def markdown(doc: dict) -> str:
     """The table (``common.write_results`` puts the command, machine and commit under the title)."""
     run = doc["run"]
     threads = run.get("threads") or "torch's default number of"
+    autocasts = run.get("autocast", ["off"])
+    amp = autocasts != ["off"]
+    amp_note = (f" Autocast: {', '.join(f'`{x}`' for x in autocasts)} (forward and loss under `torch.autocast`, "
+                f"backward outside it; compared with `eager` under the same autocast: loss within {AMP_LOSS_RTOL:g}, "
+                f"gradient norm within {AMP_GRAD_RTOL:.2g})." if amp else "")
     lines = [
         f"# Benchmark `{run['name']}`",
         "",
@@ -199,21 +215,22 @@ def markdown(doc: dict) -> str:
         f"Per run: {run['warmup']} warm-up step(s) (the first compiles), {run['mem_steps']} profiled step(s) for the "
         f"peak, {run['steps']} timed steps for the median. Peak = bytes allocated during forward + backward "
         "(gradients included, parameters not). Ratios are to `eager` of the same model. "
-        f"Inductor cache: `{run.get('cache')}`. See bench/README.md.",
+        f"Inductor cache: `{run.get('cache')}`.{amp_note} See bench/README.md.",
         "",
-        "| model | config | peak MiB | peak / eager | after fwd MiB | step ms | time / eager | compile s | graphs "
-        "| loss & grad vs eager |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| model |{' autocast |' if amp else ''} config | peak MiB | peak / eager | after fwd MiB | step ms "
+        "| time / eager | compile s | graphs | loss & grad vs eager |",
+        f"|---|{'---|' if amp else ''}---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     notes = []
     for r in doc["results"]:
         name = r["config"].replace("|", "\\|")
+        model = f"{r['model']} | {r.get('autocast', 'off')}" if amp else r["model"]
         if r["status"] != "ok":
             status = r["status"]
             if status == "infeasible":
                 status = f"infeasible (floor {r['floor_fraction']:.3f})"
-            lines.append(f"| {r['model']} | {name} | {status} | | | | | | | |")
-            notes.append(f"- {r['model']} / {r['config']}: {status}: {first_line(r)}")
+            lines.append(f"| {model} | {name} | {status} | | | | | | | |")
+            notes.append(f"- {model.replace(' | ', ' ')} / {r['config']}: {status}: {first_line(r)}")
             continue
         mib = lambda b: None if b is None else b / MIB  # noqa: E731
         graphs = str(r.get("graphs", ""))
@@ -222,11 +239,20 @@ def markdown(doc: dict) -> str:
         if r.get("recompiles"):
             graphs += f" (+{r['recompiles']} recompiled)"
         lines.append(
-            f"| {r['model']} | {name} | {_f(mib(r['peak_bytes']), '.1f')} | {_f(r.get('peak_vs_eager'), '.2f')} | "
+            f"| {model} | {name} | {_f(mib(r['peak_bytes']), '.1f')} | {_f(r.get('peak_vs_eager'), '.2f')} | "
             f"{_f(mib(r.get('fwd_live_bytes')), '.1f')} | {_f(_ms(r['step_time_median_s']), '.0f')} | "
             f"{_f(r.get('time_vs_eager'), '.2f')} | {_f(r['compile_s'], '.1f')} | {graphs} | {r.get('check', '')} |"
         )
     lines.append("")
+    lowering = [r for r in doc["results"] if r["status"] == "ok" and "lowered" in r]
+    if lowering:
+        lines += ["Lowered patterns (fxmem rows; the fused loss's reason where it was left alone):", ""]
+        for r in lowering:
+            where = r["model"] + ("" if r.get("autocast", "off") == "off" else f" {r['autocast']}")
+            counts = ", ".join(f"{k} {v}" for k, v in r["lowered"].items()) or "none"
+            why = r.get("left_alone", {}).get("fused_linear_cross_entropy")
+            lines.append(f"- {where} / `{r['config']}`: {counts}" + (f"; fused loss left alone: {why}" if why else ""))
+        lines.append("")
     shapes = "; ".join(f"`{k}` {', '.join(f'{a}={b}' for a, b in v.items())}" for k, v in run["model_kwargs"].items())
     lines += [f"Models: {shapes}.", ""]
     if notes:
@@ -248,7 +274,8 @@ def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
 
 
 def _summary(r: dict) -> str:
-    head = f"{r['model']:<10} {r['config']:<22}"
+    amp = r.get("autocast", "off")
+    head = f"{r['model']:<10} {'' if amp == 'off' else amp + ' '}{r['config']:<22}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {first_line(r)[:300]}"
     if "floor" in r:
@@ -270,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="warm-up steps incl. the compiling one (default 2, --quick 1)")
     p.add_argument("--mem-steps", type=int, default=1, help="profiled steps for the peak (default 1)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run (default 1800)")
+    p.add_argument("--autocast", default="off",
+                   help="comma-separated, each of " + "/".join(AUTOCAST) + ": run every (model, config) with forward "
+                        "and loss under torch.autocast in that dtype (off: without); default off")
     p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
                    help="Inductor cache: a cold one per worker (default), one per run.py run, or the global "
                         "one that persists across runs (default with --quick)")
@@ -280,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--warmup, --steps and --mem-steps must be >= 1")
     a.cache = a.cache or ("global" if a.quick else "worker")
     name = a.name
+    autocasts = common.split(a.autocast)
+    if not autocasts or any(x not in AUTOCAST for x in autocasts):
+        p.error(f"--autocast takes a comma-separated list of {', '.join(AUTOCAST)}, got {a.autocast!r}")
 
     models = a.models
     specs = configs.split_specs(a.configs)
@@ -301,21 +334,21 @@ def main(argv: list[str] | None = None) -> int:
             "name": name,
             "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
             "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device,
-            "cache": a.cache,
+            "cache": a.cache, "autocast": autocasts,
             "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},
             "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
         },
         "results": [],
     }
     out_dir = Path(a.out_dir)
-    runs = [(m, s) for m in models for s in specs]
+    runs = [(m, x, s) for m in models for x in autocasts for s in specs]
     bar = _Progress(len(runs))
     t0 = time.perf_counter()
     a.run_cache_dir = tempfile.mkdtemp(prefix="fxmem-bench-cache-") if a.cache == "run" else None
     try:
-        for m, s in runs:
-            bar.start(f"{m} / {s}")
-            r = run_one(m, s, a)
+        for m, x, s in runs:
+            bar.start(f"{m} / {s}" + ("" if x == "off" else f" / autocast {x}"))
+            r = run_one(m, s, a, x)
             doc["results"].append(r)
             write(doc, out_dir, name)
             bar.finish(_summary(r))

@@ -1,6 +1,6 @@
 """Measure one (model, configuration) in this process and print one result line.
 
-    python bench/worker.py --model hf_gpt2 --config inductor [--steps 5 --warmup 2] [--quick]
+    python bench/worker.py --model hf_gpt2 --config inductor [--steps 5 --warmup 2] [--quick] [--autocast bf16]
 
 ``bench/run.py`` starts one of these per pair, so compiled code, caches and allocator state never
 leak from one measurement into the next. The last stdout line starting with ``RESULT_PREFIX`` is
@@ -8,7 +8,9 @@ the result, a JSON object (``status``: ``ok``, ``skipped``, ``error``, or ``infe
 ``memory_budget`` below its feasible floor, which fxmem rejects at compile time).
 
 One step: ``zero_grad(set_to_none=True)`` (outside the measured block), then forward, loss and
-backward. Steps, in order:
+backward; with ``--autocast bf16``/``fp16`` the forward and the loss run under
+``torch.autocast(device, dtype)`` and the backward outside it, as mixed-precision training loops
+do (parameters stay fp32). Steps, in order:
 
 1. the first step, timed alone (compilation happens here); its loss and gradient norm are the
    numbers the report compares across configurations;
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import configs  # noqa: E402
 
 RESULT_PREFIX = "BENCH_RESULT "
+AUTOCAST = {"off": None, "bf16": "bfloat16", "fp16": "float16"}  # --autocast -> torch dtype name
 
 
 def _emit(result: dict) -> None:
@@ -66,7 +69,8 @@ def workload(model_name: str, kwargs: dict, seed: int, device: str):
 
 
 def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int, quick: bool,
-            device: str, seed: int, threads: int | None = None) -> dict:
+            device: str, seed: int, threads: int | None = None, autocast: str = "off") -> dict:
+    import contextlib
     import statistics
 
     import torch
@@ -82,8 +86,15 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     result: dict = {
         "model": model_name, "config": spec, "kind": cfg.kind, "options": dict(cfg.options),
         "model_kwargs": kwargs, "device": device, "threads": torch.get_num_threads(),
-        "steps": steps, "warmup": warmup, "mem_steps": mem_steps,
+        "steps": steps, "warmup": warmup, "mem_steps": mem_steps, "autocast": autocast,
     }
+    amp_dtype = AUTOCAST[autocast]
+
+    def forward():  # forward and loss, under autocast when asked for
+        amp = torch.autocast(device.split(":")[0], dtype=getattr(torch, amp_dtype)) if amp_dtype \
+            else contextlib.nullcontext()
+        with amp:
+            return wl.loss(fn(**batch))
     wl, batch = workload(model_name, kwargs, seed, device)
     model = wl.model
     params = list(model.parameters())
@@ -91,6 +102,8 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     result["batch_size"] = batch_size = next(iter(batch.values())).shape[0]
 
     if cfg.kind == "floor":
+        if amp_dtype:
+            return {**result, "status": "skipped", "reason": "the floor is measured without autocast"}
         from floor import physical_floor
 
         terms = physical_floor(model, wl.loss, batch, device)
@@ -104,7 +117,7 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         return {**result, "status": "skipped", "reason": str(e)}
 
     def step():
-        loss = wl.loss(fn(**batch))
+        loss = forward()
         loss.backward()
         return loss
 
@@ -122,6 +135,8 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     result["grad_norm"] = _grad_norm(model)
     graphs_after_first = counters["stats"].get("unique_graphs", 0)
     del loss
+    if cfg.kind == "fxmem":
+        result.update(_lowering(fn))
 
     # 2. remaining warm-up
     for _ in range(warmup - 1):
@@ -134,7 +149,7 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         zero()
         gc.collect()
         with step_perf(device, batch_size=batch_size) as perf:
-            loss = wl.loss(fn(**batch))
+            loss = forward()
             perf.mark("forward")
             loss.backward()
         del loss
@@ -164,6 +179,21 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         "graph_breaks": sum(counters["graph_break"].values()),
     })
     return result
+
+
+def _lowering(compiled) -> dict:
+    """What fxmem lowered (pattern -> count over the compile's graphs) and the first reason each
+    pattern it found was left alone."""
+    import fxmem
+
+    lowered, left = {}, {}
+    for g in fxmem.report(compiled).graphs:
+        for r in g.lowerings:
+            lowered[r.pattern] = lowered.get(r.pattern, 0) + r.count
+        for note in g.lowering_notes:  # "left alone: <pattern> at <node>: <why>"
+            pattern, _, why = note.removeprefix("left alone: ").partition(" at ")
+            left.setdefault(pattern, why.partition(": ")[2])
+    return {"lowered": lowered, "left_alone": left}
 
 
 # fxmem's compile-time error for a memory budget below its feasible floor (fxmem/remat/plan.py).
@@ -205,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--autocast", choices=tuple(AUTOCAST), default="off",
+                   help="run forward and loss under torch.autocast in this dtype (default off)")
     a = p.parse_args(argv)
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     try:
-        result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed, a.threads)
+        result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed, a.threads,
+                         a.autocast)
     except Exception as e:  # report, don't crash silently: the parent records the error
         traceback.print_exc()
         _emit(error_result(a.model, a.config, e))

@@ -116,7 +116,7 @@ def row_bytes(v: int, dtype: torch.dtype, softcap, triton_path: bool) -> int:
 
 
 def _check(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, reduction: str,
-           o: _Opts, logits: Optional[Tensor] = None) -> bool:
+           o: _Opts, logits: Optional[Tensor] = None, loss_dtype: Optional[torch.dtype] = None) -> bool:
     """Raise ValueError naming the bad argument; return whether the Triton path runs."""
     def bad(msg):
         raise ValueError(f"{_NAME}: {msg}")
@@ -125,6 +125,8 @@ def _check(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, re
         bad(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if h.dtype not in DTYPES:
         bad(f"hidden must have a floating dtype in {DTYPES}, got {h.dtype}")
+    if loss_dtype is not None and loss_dtype not in DTYPES + (torch.float64,):
+        bad(f"loss_dtype must be None (hidden's dtype) or a floating dtype, got {loss_dtype}")
     if h.dim() < 1:
         bad("hidden must have shape [..., H], got a scalar")
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
@@ -174,11 +176,12 @@ def _empty(like: Tensor, device=None) -> Tensor:
     return torch.empty(0, dtype=like.dtype, device=device or like.device)
 
 
-def _forward_outputs(h, weight, bias, target, reduction, grads, device=None):
+def _forward_outputs(h, weight, bias, target, reduction, grads, device=None, loss_dtype=None):
     """The forward op's outputs, uninitialized: (loss, lse, dh, dW, db); a gradient not
-    computed is an empty tensor. ``device="meta"`` gives just their shapes and dtypes."""
+    computed is an empty tensor; the loss in ``loss_dtype`` (None: hidden's dtype).
+    ``device="meta"`` gives just their shapes and dtypes."""
     dev = device or h.device
-    loss = torch.empty(target.shape if reduction == "none" else (), dtype=h.dtype, device=dev)
+    loss = torch.empty(target.shape if reduction == "none" else (), dtype=loss_dtype or h.dtype, device=dev)
     lse = torch.empty(target.shape, dtype=torch.float32, device=dev)
     return (loss, lse, *_grad_outputs(h, weight, bias, grads, device))
 
@@ -352,12 +355,12 @@ def _forward_grads(reduction, bias, grad_hidden, grad_weight, grad_bias) -> tupl
 def _forward_impl(h, weight, bias, target, ignore_index=-100, label_smoothing=0.0,
                   reduction="mean", logit_scale=1.0, softcap=None, z_loss=0.0,
                   workspace_bytes=DEFAULT_WORKSPACE_BYTES, impl="auto", grad_hidden=False,
-                  grad_weight=False, grad_bias=False, logits=None, out=None):
+                  grad_weight=False, grad_bias=False, logits=None, loss_dtype=None, out=None):
     o = _Opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss, workspace_bytes, impl)
-    triton_path = _check(h, weight, bias, target, reduction, o, logits)
+    triton_path = _check(h, weight, bias, target, reduction, o, logits, loss_dtype)
     grads = _forward_grads(reduction, bias, grad_hidden, grad_weight, grad_bias)
     loss_o, lse_o, dh, dw, db = out if out is not None else _forward_outputs(
-        h, weight, bias, target, reduction, grads)
+        h, weight, bias, target, reduction, grads, loss_dtype=loss_dtype)
     g = None  # per-row weight of the loss in the gradients: 1/#valid for "mean", 0 if ignored
     valid = target.reshape(-1) != ignore_index
     if any(grads):
@@ -399,26 +402,27 @@ def linear_cross_entropy_op(
         logit_scale: float = 1.0, softcap: Optional[float] = None, z_loss: float = 0.0,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES, impl: str = "auto",
         grad_hidden: bool = False, grad_weight: bool = False, grad_bias: bool = False,
-        logits: Optional[Tensor] = None,
+        logits: Optional[Tensor] = None, loss_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, dhidden, dweight, dbias). ``loss`` is reduced as ``reduction`` says; ``lse``
+    """(loss, lse, dhidden, dweight, dbias). ``loss`` is reduced as ``reduction`` says, in
+    ``loss_dtype`` (None: hidden's dtype; the loss is computed in fp32 either way); ``lse``
     is the per-token log-sum-exp (fp32). For "mean"/"sum" the gradients of ``loss`` flagged by
     ``grad_*`` are computed in the same pass (others, and all for "none", are empty tensors).
     ``logits``: ``hidden @ weight.T + bias`` as ``[tokens, V]``, when the caller computed them
     anyway (read chunk by chunk instead of recomputed)."""
     return _forward_impl(hidden, weight, bias, target, ignore_index, label_smoothing, reduction,
                          logit_scale, softcap, z_loss, workspace_bytes, impl, grad_hidden,
-                         grad_weight, grad_bias, logits)
+                         grad_weight, grad_bias, logits, loss_dtype)
 
 
 @linear_cross_entropy_op.register_fake
 def _(hidden, weight, bias, target, ignore_index=-100, label_smoothing=0.0, reduction="mean",
       logit_scale=1.0, softcap=None, z_loss=0.0, workspace_bytes=DEFAULT_WORKSPACE_BYTES,
-      impl="auto", grad_hidden=False, grad_weight=False, grad_bias=False, logits=None):
+      impl="auto", grad_hidden=False, grad_weight=False, grad_bias=False, logits=None, loss_dtype=None):
     o = _Opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss, workspace_bytes, impl)
-    _check(hidden, weight, bias, target, reduction, o, logits)
+    _check(hidden, weight, bias, target, reduction, o, logits, loss_dtype)
     grads = _forward_grads(reduction, bias, grad_hidden, grad_weight, grad_bias)
-    return _forward_outputs(hidden, weight, bias, target, reduction, grads)
+    return _forward_outputs(hidden, weight, bias, target, reduction, grads, loss_dtype=loss_dtype)
 
 
 @torch.library.custom_op("fxmem::linear_cross_entropy_backward", mutates_args=())
@@ -485,9 +489,10 @@ def _loop_into(op, impl, outputs):
 
 
 def _forward_outputs_of(h, weight, bias, target, ignore_index, label_smoothing, reduction,
-                        logit_scale, softcap, z_loss, workspace_bytes, impl, gh, gw, gb, logits=None):
+                        logit_scale, softcap, z_loss, workspace_bytes, impl, gh, gw, gb, logits=None,
+                        loss_dtype=None):
     grads = _forward_grads(reduction, bias, gh, gw, gb)
-    return _forward_outputs(h, weight, bias, target, reduction, grads, device="meta")
+    return _forward_outputs(h, weight, bias, target, reduction, grads, device="meta", loss_dtype=loss_dtype)
 
 
 def _backward_outputs_of(grad_rows, h, weight, bias, target, lse, ignore_index,
@@ -535,13 +540,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(hidden, weight, bias, target, opts, reduction, grads, logits):
+    def forward(hidden, weight, bias, target, opts, reduction, grads, logits, loss_dtype):
         return linear_cross_entropy_op(hidden, weight, bias, target, *opts[:2], reduction,
-                                       *opts[2:], *grads, logits)
+                                       *opts[2:], *grads, logits, loss_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, bias, target, ctx.opts, ctx.reduction, ctx.grads, _ = inputs
+        hidden, weight, bias, target, ctx.opts, ctx.reduction, ctx.grads, _, _ = inputs
         loss, lse, dh, dw, db = output
         ctx.mark_non_differentiable(lse, dh, dw, db)
         ctx.save_for_backward(hidden, weight, bias, target, lse, dh, dw, db)
@@ -564,7 +569,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # The forward computed the gradients of the loss: scale by the upstream scalar.
             return (_scaled(dh, grad_loss) if need[0] else None,
                     _scaled(dw, grad_loss) if need[1] else None,
-                    _scaled(db, grad_loss) if need[2] else None, None, None, None, None, None)
+                    _scaled(db, grad_loss) if need[2] else None, None, None, None, None, None, None)
         with torch.no_grad():
             g = grad_loss.float()
             if ctx.reduction == "mean":
@@ -573,7 +578,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gh, gw, gb = linear_cross_entropy_backward_op(g, hidden, weight, bias, target, lse,
                                                           *ctx.opts, *need)
         return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
@@ -581,7 +586,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                          label_smoothing: float = 0.0, reduction: str = "mean",
                          logit_scale: float = 1.0, softcap: Optional[float] = None,
                          z_loss: float = 0.0, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-                         impl: str = "auto", logits: Optional[Tensor] = None) -> Tensor:
+                         impl: str = "auto", logits: Optional[Tensor] = None,
+                         loss_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``F.cross_entropy(logits, target, ...)`` with ``logits = softcap(logit_scale *
     (hidden @ weight.T + bias))`` (plus ``z_loss * logsumexp(logits)**2`` per non-ignored
     token), computed chunk by chunk without the ``[tokens, vocab]`` logits.
@@ -592,13 +598,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     ``F.cross_entropy``; ``softcap=None`` is off. ``workspace_bytes`` bounds the chunk of
     logits in flight; ``impl`` picks "triton", "torch" or "auto" (see FXMEM_KERNELS_TRITON). ``logits``:
     ``hidden @ weight.T + bias`` as ``[tokens, V]`` if the caller has them anyway (e.g. to return
-    them): read instead of recomputed; no gradient flows into them. Works under
+    them): read instead of recomputed; no gradient flows into them. ``loss_dtype``: the loss's
+    dtype (None: hidden's; it is computed in fp32 either way: ``torch.float32`` keeps bf16
+    inputs' loss unrounded, as ``F.cross_entropy(logits.float(), ...)`` or autocast give it). Works under
     ``torch.func.vmap``, ``grad`` and ``vmap(grad(...))``; double backward raises."""
     opts = (int(ignore_index), float(label_smoothing), float(logit_scale),
             None if softcap is None else float(softcap), float(z_loss), workspace_bytes, impl)
-    _check(hidden, weight, bias, target, reduction, _Opts(*opts), logits)
+    _check(hidden, weight, bias, target, reduction, _Opts(*opts), logits, loss_dtype)
     on = torch.is_grad_enabled()
     grads = (on and hidden.requires_grad, on and weight.requires_grad,
              on and bias is not None and bias.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, opts, reduction, grads,
-                                     None if logits is None else logits.detach())[0]
+                                     None if logits is None else logits.detach(), loss_dtype)[0]

@@ -153,3 +153,24 @@ def test_the_floor_row_shows_its_terms_and_no_loss_check():
     run.annotate(rows)
     assert rows[1]["check"] == "floor: max(grads 1.0, boundaries 1.0 + max(layer 2.0, loss 1.0)) MiB"
     assert rows[1]["peak_vs_eager"] == 0.4 and "time_vs_eager" not in rows[1]
+
+
+def test_autocast_rows_compare_with_eager_under_the_same_autocast():
+    """``--autocast off,bf16``: each row's ratios and loss check use eager under its own autocast,
+    with bf16 rounding as the tolerance there; the table gets an autocast column."""
+    run = load_bench_module("run")
+
+    def row(config, autocast, loss, grad, peak):
+        return {"model": "m", "config": config, "autocast": autocast, "status": "ok", "loss": loss, "grad_norm": grad,
+                "peak_bytes": peak, "step_time_median_s": 1.0, "compile_s": 0.0, "model_kwargs": {}}
+
+    rows = [row("eager", "off", 1.0, 1.0, 8), row("eager", "bf16", 1.01, 1.0, 4),
+            row("fxmem-eager-level1", "bf16", 1.01 * (1 + 5e-5), 1.0 + 1e-3, 2),
+            row("fxmem-eager-level1", "off", 1.01, 1.0, 2)]
+    run.annotate(rows)
+    assert [r["check"] for r in rows] == ["ok", "ok", "ok", "MISMATCH loss 1.0e-02"]
+    assert rows[2]["peak_vs_eager"] == 0.5 and rows[3]["peak_vs_eager"] == 0.25
+    doc = {"run": {"name": "t", "device": "cpu", "warmup": 1, "mem_steps": 1, "steps": 1, "cache": "worker",
+                   "autocast": ["off", "bf16"], "model_kwargs": {"m": {}}, "configs": ["eager"]}, "results": rows}
+    text = run.markdown(doc)
+    assert "| model | autocast | config |" in text and "| m | bf16 | eager |" in text

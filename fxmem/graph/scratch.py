@@ -15,7 +15,8 @@ inputs and its outputs). Known:
 - CPU convolutions, forward and backward: measured per configuration (:mod:`.measured`; oneDNN
   picks a layout per shape, and its reorder buffers follow no formula).
 
-Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces.
+Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces; the CPU bf16
+matmul's packing buffers (a few hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).
 """
 
 from __future__ import annotations
@@ -56,12 +57,16 @@ def _linear_cross_entropy(target, args, kwargs, out) -> sympy.Expr:
     rows = _numel(t)
     cap = max(1, a["workspace_bytes"] // row)
     chunk = sympy.Min(rows, cap)
+    backward = target == "fxmem::linear_cross_entropy_backward"
+    weight_grad = a["grad_weight"] and (backward or a["reduction"] != "none")
+    # A low-precision weight's gradient is accumulated over the chunks in an fp32 buffer, then
+    # cast into the output (bf16 under autocast: 4 bytes per weight entry, GPT-2's 154 MB).
+    accumulator = 4 * int(w.numel()) if weight_grad and w.dtype != torch.float32 else 0
     if triton_path:
-        return chunk * row
+        return chunk * row + accumulator
     # The PyTorch path's per-row vectors (targets, picked logits, maxima, lse, loss; measured
     # with int64 targets and default options): per chunk row, per row of the whole batch, and
     # per row again once the batch takes several chunks (the chunks' losses are gathered).
-    backward = target == "fxmem::linear_cross_entropy_backward"
     if backward:
         per_chunk, per_row, fixed = 17, 0, 12
     elif a["reduction"] != "none" and (a["grad_hidden"] or a["grad_weight"] or a["grad_bias"]):
@@ -69,7 +74,7 @@ def _linear_cross_entropy(target, args, kwargs, out) -> sympy.Expr:
     else:
         per_chunk, per_row, fixed = 37, 1, 4
     gathered = 0 if backward else sympy.Piecewise((8 * rows, sympy.StrictGreaterThan(rows, cap)), (0, True))
-    return chunk * (row + per_chunk) + per_row * rows + gathered + fixed
+    return chunk * (row + per_chunk) + per_row * rows + gathered + fixed + accumulator
 
 
 def _cpu(f: Callable[[Any], sympy.Expr], arg: int = 0) -> Callable:

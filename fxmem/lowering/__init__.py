@@ -69,6 +69,7 @@ from typing import Any, Mapping
 import torch.fx as fx
 
 from ..options import Options
+from . import amp
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
 
@@ -147,8 +148,10 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
     patterns = enabled(options.lowering)
     if not patterns:
         return gm, result
-    if _autocast(gm):  # the fused kernels take one dtype for all their inputs and outputs
-        result.skipped.append(("lowering", "graph", "autocast is on: the fused kernels do not follow its casts"))
+    unknown = amp.unknown_devices(amp.states(gm.graph))
+    if unknown:  # the fused calls make autocast's casts themselves: only where its op lists are known
+        result.skipped.append(("lowering", "graph", f"autocast on {', '.join(unknown)}: fxmem knows its op lists "
+                                                    f"for {', '.join(amp.DEVICES)} only"))
         return gm, result
     original, gm = gm, _copy(gm)
     graph = gm.graph
@@ -183,16 +186,6 @@ def _named(lowering: bool | Mapping[str, bool], pattern: str) -> bool:
     return lowering is True or (isinstance(lowering, Mapping) and lowering.get(pattern) is True)
 
 
-def _autocast(gm: fx.GraphModule) -> bool:
-    """Autocast around the compiled call, or entered inside the graph."""
-    import torch
-
-    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-        return True
-    return any(n.op == "call_function" and n.target is torch.amp.autocast_mode._enter_autocast
-               for n in gm.graph.nodes)
-
-
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node meta shallow-copied), sharing its
     parameters, with Dynamo's extra attributes (``meta``, parameter sources, ...)."""
@@ -211,15 +204,15 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set) -> Lowered:
     region = ctx.region.get(m.output)
     batch = region[0] if region is not None and isinstance(region[0], int) else 1
-    saved = bytes_saved(m.nodes, m.output, m.call, m.args, m.kwargs, batch)
+    saved = bytes_saved(m.nodes, m.output, m.call, m.args, m.kwargs, batch, ctx.autocast.get(m.output))
     with graph.inserting_before(m.output):
         new = graph.call_function(m.call, m.args, m.kwargs)
     new.meta.update({k: m.output.meta[k] for k in _KEEP_META if k in m.output.meta})
     name = m.output.name
     m.output.replace_all_uses_with(new)
-    for n, call, args in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
+    for n, call, args, kwargs in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
         with graph.inserting_before(n):
-            kept = graph.call_function(call, args)
+            kept = graph.call_function(call, args, kwargs)
         kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
         n.replace_all_uses_with(kept)
     for n in reversed(m.nodes):

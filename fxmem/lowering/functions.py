@@ -4,7 +4,10 @@ ops through the autograd.Functions below). AOTAutograd traces these calls, so it
 holds the fused forward op and, from the Function's backward, the fused backward op.
 
 Every function takes the tensors first and its settings as keywords, so a graph node reads
-``layer_norm(x, w, b, eps=1e-05)``.
+``layer_norm(x, w, b, eps=1e-05)``. ``dtype``: under autocast, the dtype autocast would have run
+the replaced ops in (:mod:`.amp`); the function casts its floating inputs to it (autocast leaves
+the fused ops alone), so the kernels see what the unfused ops saw and gradients come back, through
+the casts, in the inputs' dtypes.
 """
 from __future__ import annotations
 
@@ -36,6 +39,14 @@ def _lce_backward_op():
     return torch.ops.fxmem.linear_cross_entropy_backward.default
 
 
+def _cast(dtype: Optional[torch.dtype], *tensors: Optional[Tensor]) -> tuple:
+    """``tensors`` cast to ``dtype`` (None: as they are), as autocast casts an op's inputs."""
+    if dtype is None:
+        return tensors
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+                 for t in tensors)
+
+
 # -- fused linear cross-entropy --------------------------------------------------------------
 def _rows_of(h: Tensor, target: Tensor, index: tuple, hidden: int) -> tuple[Tensor, Tensor]:
     for idx in index:  # the slicing the logits went through, applied to the hidden states
@@ -63,29 +74,30 @@ def _biased(bias: Optional[Tensor], logit_bias: Optional[Tensor]) -> Optional[Te
 def linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, *,
                          index: tuple, hidden: int, ignore_index: int, label_smoothing: float,
                          reduction: str, out_dtype: torch.dtype, logits: Optional[Tensor] = None,
-                         logit_bias: Optional[Tensor] = None) -> Tensor:
+                         logit_bias: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``F.cross_entropy((linear(h, weight, bias) + logit_bias)[index].view(-1, V).float(), target,
     ...)`` without the logits (the kernel computes the gradients in the same pass for a reduced
-    loss). ``logits``: the full logits when the graph returns them too: read, not recomputed."""
-    bias = _biased(bias, logit_bias)
+    loss). ``logits``: the full logits when the graph returns them too: read, not recomputed.
+    ``dtype``: the matmuls' (autocast's); the loss is computed in fp32 and returned in ``out_dtype``."""
+    h, weight, bias = _cast(dtype, h, weight, _biased(bias, logit_bias))
     h2, t = _rows_of(h, target, index, hidden)
     rows = None if logits is None else _logit_rows(logits, index, weight.shape[0])
-    loss = K.linear_cross_entropy(h2, weight, t, bias, ignore_index=ignore_index,
+    return K.linear_cross_entropy(h2, weight, t, bias, ignore_index=ignore_index,
                                   label_smoothing=label_smoothing, reduction=reduction,
-                                  workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL, logits=rows)
-    return loss if loss.dtype == out_dtype else loss.to(out_dtype)
+                                  workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL, logits=rows,
+                                  loss_dtype=out_dtype)
 
 
 def per_example_linear_cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor],
                                      target: Tensor, *, index: tuple, hidden: int,
                                      ignore_index: int, label_smoothing: float, reduction: str,
-                                     out_dtype: torch.dtype, logit_bias: Optional[Tensor] = None) -> Tensor:
+                                     out_dtype: torch.dtype, logit_bias: Optional[Tensor] = None,
+                                     dtype: Optional[torch.dtype] = None) -> Tensor:
     """The same inside a ``vmap(grad(...))`` region: per-token losses (the forward op folds the
     batch into its rows: one call), reduced here; the backward op runs once per example."""
-    bias = _biased(bias, logit_bias)
+    h, weight, bias = _cast(dtype, h, weight, _biased(bias, logit_bias))
     h2, t = _rows_of(h, target, index, hidden)
-    rows, _ = _RowsLCE.apply(h2, weight, bias, t, (ignore_index, label_smoothing))
-    rows = rows.to(out_dtype)
+    rows, _ = _RowsLCE.apply(h2, weight, bias, t, (ignore_index, label_smoothing, out_dtype))
     if reduction == "none":
         return rows
     total = rows.sum()
@@ -105,10 +117,10 @@ class _RowsLCE(torch.autograd.Function):
 
     @staticmethod
     def forward(h, weight, bias, target, opts):
-        ignore_index, label_smoothing = opts
+        ignore_index, label_smoothing, loss_dtype = opts
         out = _lce_op()(h, weight, bias, target, ignore_index=ignore_index,
                         label_smoothing=label_smoothing, reduction="none",
-                        workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL)
+                        workspace_bytes=workspace_bytes(weight.shape[0]), impl=_IMPL, loss_dtype=loss_dtype)
         return out[0], out[1]
 
     @staticmethod
@@ -128,7 +140,7 @@ class _RowsLCE(torch.autograd.Function):
 
 
 def _lce_backward(grad_rows, h, weight, bias, target, lse, opts, need):
-    ignore_index, label_smoothing = opts
+    ignore_index, label_smoothing = opts[:2]
     return _lce_backward_op()(grad_rows, h, weight, bias, target, lse, ignore_index=ignore_index,
                               label_smoothing=label_smoothing, workspace_bytes=workspace_bytes(weight.shape[0]),
                               impl=_IMPL, grad_hidden=need[0],
@@ -202,13 +214,14 @@ class _ReturnedLogits(torch.autograd.Function):
 
 
 def returned_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-                    logit_bias: Optional[Tensor] = None) -> Tensor:
-    return _ReturnedLogits.apply(h, weight, _biased(bias, logit_bias))
+                    logit_bias: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return _ReturnedLogits.apply(*_cast(dtype, h, weight, _biased(bias, logit_bias)))
 
 
 # -- norms, activations, dropout --------------------------------------------------------------
-def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, eps: float) -> Tensor:
-    return K.layer_norm(x, weight, bias, eps, impl=_IMPL)
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, eps: float,
+               dtype: Optional[torch.dtype] = None) -> Tensor:
+    return K.layer_norm(*_cast(dtype, x, weight, bias), eps, impl=_IMPL)
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], *, eps: float) -> Tensor:
@@ -219,14 +232,17 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor], *, approximate: str) -> Tensor:
     return K.bias_gelu(x, bias, approximate, impl=_IMPL)
 
 
-def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, *, approximate: str) -> Tensor:
+def linear_bias_gelu(x: Tensor, weight: Tensor, bias: Tensor, *, approximate: str,
+                     dtype: Optional[torch.dtype] = None) -> Tensor:
     """``gelu(F.linear(x, weight, bias))``: the bias moves from the matmul into the activation."""
+    x, weight, bias = _cast(dtype, x, weight, bias)
     return K.bias_gelu(torch.nn.functional.linear(x, weight), bias, approximate, impl=_IMPL)
 
 
 def addmm_bias_gelu(bias: Tensor, x: Tensor, weight: Tensor, *, shape: tuple | None,
-                    approximate: str) -> Tensor:
+                    approximate: str, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``gelu(torch.addmm(bias, x, weight).view(shape))`` (GPT-2's Conv1D, then its MLP)."""
+    bias, x, weight = _cast(dtype, bias, x, weight)
     y = torch.mm(x, weight)
     if shape is not None:
         y = y.view(shape)

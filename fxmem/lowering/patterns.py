@@ -17,11 +17,19 @@ asked for by name) without comparing plans, and compares the rest (a second AOTA
 plan, a third of a 32-layer compile: ``fxmem.backend._lower``). Proven: the two norms (checked on
 the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``) and the fused
 cross-entropy where its logits are at least CE_PROVEN_FROM times the gradients it keeps from the
-forward; futile: the fused cross-entropy below CE_FUTILE_BELOW times, whose fixed buffers then
-outweigh the logits (bench/results/lowering-ce-ratio.md), and SwiGLU/GeGLU, which never changed
-the planned peak on the zoo (bench/results/lowering-glu.md; under a memory budget the fused
-SwiGLU measured above its simulation). Bias-GELU is compared: it lowered the peak by 12.5% on
-GPT-2's written-out tanh GELU and left it unchanged with ``F.gelu``.
+forward (without autocast: under it the fused loss is compared, see CE_PROVEN_FROM); futile: the
+fused cross-entropy below CE_FUTILE_BELOW times, whose fixed buffers then outweigh the logits
+(bench/results/lowering-ce-ratio.md), and SwiGLU/GeGLU, which never changed the planned peak on
+the zoo (bench/results/lowering-glu.md; under a memory budget the fused SwiGLU measured above its
+simulation). Bias-GELU is compared: it lowered the peak by 12.5% on GPT-2's written-out tanh GELU
+and left it unchanged with ``F.gelu``.
+
+Under autocast (:mod:`.amp`) the finders read the dtypes Dynamo recorded, which are autocast's,
+and hand the fused call the dtype autocast would have run the replaced ops in (``dtype=``): the
+fused loss casts hidden states, weight and bias to the autocast dtype and returns an fp32 loss, a
+LayerNorm casts to fp32 on CUDA, a matmul before a GELU casts its bias; SwiGLU/GeGLU, RMSNorm
+(its statistics are fp32 as written) and dropout run on no autocast list and need no cast. A match
+whose fused output dtype would differ from the graph's is left alone.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from torch._functorch import predispatch
 from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
 
 from ..options import LOWERING_PATTERNS
+from . import amp
 from . import functions as fn
 from .match import POINTWISE, arg, commuted, is_cast_to, is_number, last_dim_vector, only_users, op, same_shape, tensor
 
@@ -50,7 +59,7 @@ class Match:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     note: str = ""
-    kept: tuple = ()                 # (node, call, args): a replaced node the graph still needs, computed by call
+    kept: tuple = ()                 # (node, call, args, kwargs): a replaced node the graph still needs
     # Never raises the planned step peak (see PROVEN): applied without the backend's comparison.
     proven: bool = False
     # Why it cannot lower the planned peak (here): unless the pattern is asked for by name (or
@@ -70,6 +79,16 @@ class Context:
     """What finders need to know about the graph beyond a node's neighbours."""
     region: dict  # node -> (batch_size, randomness) of the innermost vmap region holding it
     batched: frozenset  # nodes computed from a vmap-batched input
+    autocast: dict = field(default_factory=dict)  # node -> amp.State: the autocast on where it runs
+
+    def amp(self, node: fx.Node) -> tuple[str, torch.dtype] | None:
+        """(device type, autocast dtype) of the autocast on where ``node`` runs, for the device of
+        its value; None where none is."""
+        t = tensor(node)
+        state = self.autocast.get(node, {})
+        if t is None or t.device.type not in state:
+            return None
+        return t.device.type, state[t.device.type]
 
     @classmethod
     def of(cls, graph: fx.Graph) -> "Context":
@@ -85,7 +104,7 @@ class Context:
                 batched.add(n)
             elif any(a in batched for a in n.all_input_nodes):
                 batched.add(n)
-        return cls(region, frozenset(batched))
+        return cls(region, frozenset(batched), amp.states(graph))
 
 
 Finder = Callable[[fx.Node, Context], "Match | Skip | None"]
@@ -197,7 +216,14 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     if th is None or tw is None or tw.dim() != 2 or (b is not None and tb is None):
         return skip("the linear layer's operands are not tensors")
     biases = [t for t in (tb, tensor(logit_bias)) if t is not None]
-    if th.dtype not in FLOATS or tw.dtype != th.dtype or any(t.dtype != th.dtype for t in biases):
+    autocast, cast = ctx.amp(lin), None
+    if autocast is not None:  # the matmul runs in autocast's dtype: the fused call casts to it
+        cast = amp.compute_dtype("matmul", *autocast)
+        if logit_bias is not None:
+            return skip("a logit bias under autocast (the add promotes the logits to fp32)")
+        if tensor(lin).dtype != cast or any(t.dtype not in FLOATS for t in (th, tw, *biases)):
+            return skip(f"under autocast the linear runs in {tensor(lin).dtype}, not its {cast}")
+    elif th.dtype not in FLOATS or tw.dtype != th.dtype or any(t.dtype != th.dtype for t in biases):
         return skip(f"dtypes {th.dtype}/{tw.dtype} are not one float dtype")
     if tx.shape[-1] != tw.shape[0]:
         return skip("the logits' last dim is not the linear layer's output dim")
@@ -213,12 +239,14 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
     call = fn.per_example_linear_cross_entropy if region is not None else fn.linear_cross_entropy
     kwargs = dict(index=tuple(index[::-1]), hidden=int(tw.shape[1]), ignore_index=ignore_index,
                   label_smoothing=float(smoothing), reduction=reduction, out_dtype=tensor(n).dtype)
+    if cast is not None:
+        kwargs["dtype"] = cast
     if logit_bias is not None:
         kwargs["logit_bias"] = logit_bias
     note = ("the logits are also a graph output: computed once, for it and the loss; their "
             "backward is skipped when their gradient is zero (return only the loss to save them "
             "too)") if returned else ""
-    kept = ((top, fn.returned_logits, (h, w, b, logit_bias)),) if returned and region is None else ()
+    kept = ((top, fn.returned_logits, (h, w, b, logit_bias), dict(dtype=cast)),) if returned and region is None else ()
     if kept:
         kwargs["logits"] = top  # computed for the output anyway: the loss reads them
     ratio = _logits_per_gradient(tx, tw)
@@ -228,7 +256,7 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
         f"(ratio {ratio:.2f} < {CE_FUTILE_BELOW}: never a lower planned peak on the zoo, "
         "bench/results/lowering-ce-ratio.md)")
     return Match(name, n, nodes, call, (h, w, b, target), kwargs, note, kept,
-                 proven=region is None and ratio >= CE_PROVEN_FROM, futile=futile)
+                 proven=region is None and ratio >= CE_PROVEN_FROM and cast is None, futile=futile)
 
 
 # The fused loss by the ratio of its logits to the gradients it computes in the forward and keeps
@@ -236,7 +264,10 @@ def find_linear_cross_entropy(n: fx.Node, ctx: Context):
 # on the zoo at levels 0 and 1 (bench/studies/ce_ratio.py; tests/test_lowering_proven.py checks
 # 0-2): below CE_FUTILE_BELOW it never lowered the planned peak (declined without comparing plans),
 # from CE_PROVEN_FROM on it never raised it (applied without comparing; BART still peaked higher at
-# 1.78, lower from 1.88); in between the backend compares.
+# 1.78, lower from 1.88); in between the backend compares. Under autocast it is always compared: the
+# kernel's chunk of logits stays fp32 (plus a bf16 copy) while the unfused logits shrink, and at
+# ratio 3.1 (HF GPT-2 and Llama, vocab 512, hidden 32, 124 tokens, logits returned too) its plan
+# peaked 3% higher than the unfused one (tests/integration/test_autocast.py).
 CE_FUTILE_BELOW, CE_PROVEN_FROM = 1.0, 2.5
 
 
@@ -374,27 +405,32 @@ def _written_out_gelu(t: fx.Node):
     return best
 
 
-def _bias_of(z: fx.Node, inside: list[fx.Node]):
-    """How the GELU input ``z`` adds a bias: (extra nodes, call, args, kwargs) or None."""
+def _bias_of(z: fx.Node, inside: list[fx.Node], ctx: Context):
+    """How the GELU input ``z`` adds a bias: (extra nodes, call, args, kwargs) or None. Under
+    autocast a matmul's operands and bias are cast to its dtype, by the fused call too."""
     tz = tensor(z)
     if tz is None or not only_users(z, set(inside)):
         return None
     h = tz.shape[-1]
+    autocast = ctx.amp(z)
+    cast = amp.compute_dtype("matmul", *autocast) if autocast is not None else None
+    if cast is not None and cast != tz.dtype:
+        cast = None  # not a matmul autocast ran (e.g. in fp64): only the add below can match
     if op(z) == "add":
         for x, b in commuted(z):
             if isinstance(x, fx.Node) and last_dim_vector(b, h) and same_shape(x, z) \
-                    and tensor(b).dtype == tz.dtype:
+                    and tensor(b).dtype == tensor(x).dtype == tz.dtype:
                 return [z], fn.bias_gelu, (x, b), {}
     if op(z) == "linear" and arg(z, 2, "bias") is not None and last_dim_vector(arg(z, 2, "bias"), h):
-        return [z], fn.linear_bias_gelu, (arg(z, 0, "input"), arg(z, 1, "weight"), arg(z, 2, "bias")), {}
+        return [z], fn.linear_bias_gelu, (arg(z, 0, "input"), arg(z, 1, "weight"), arg(z, 2, "bias")), dict(dtype=cast)
     mm, shape = z, None
     if op(z) == "view" and op(arg(z, 0)) == "addmm" and len(arg(z, 0).users) == 1:
         mm = arg(z, 0)
         shape = tuple(z.args[1]) if len(z.args) == 2 and isinstance(z.args[1], (tuple, list)) else tuple(z.args[1:])
     if op(mm) == "addmm" and not mm.kwargs and len(mm.args) == 3 and last_dim_vector(mm.args[0], h) \
-            and tensor(mm.args[0]).dtype == tz.dtype:
+            and (cast is not None or tensor(mm.args[0]).dtype == tz.dtype):
         nodes = [mm] if mm is z else [mm, z]
-        return nodes, fn.addmm_bias_gelu, (mm.args[0], mm.args[1], mm.args[2]), dict(shape=shape)
+        return nodes, fn.addmm_bias_gelu, (mm.args[0], mm.args[1], mm.args[2]), dict(shape=shape, dtype=cast)
     return None
 
 
@@ -417,7 +453,9 @@ def find_bias_gelu(n: fx.Node, ctx: Context):
     tz, ty = tensor(z), tensor(out)
     if tz is None or ty is None or tz.dtype not in FLOATS + (torch.float64,) or tuple(tz.shape) != tuple(ty.shape):
         return Skip(name, n, "not a float tensor GELU")
-    bias = _bias_of(z, nodes)
+    if ty.dtype != tz.dtype:  # e.g. CUDA autocast runs the written-out tanh formula's pow in fp32
+        return Skip(name, n, f"the GELU's output dtype {ty.dtype} differs from its input's {tz.dtype}")
+    bias = _bias_of(z, nodes, ctx)
     if bias is None:
         if op(n) == "gelu":
             return None  # F.gelu without a bias: nothing to fuse
@@ -518,10 +556,15 @@ def find_layer_norm(n: fx.Node, ctx: Context):
     shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (list, tuple)) else None
     if shape is None or len(shape) != 1 or shape[0] != tx.shape[-1] or not is_number(eps):
         return Skip(name, n, "normalizes over more than the last dim")
+    autocast = ctx.amp(n)
+    cast = amp.compute_dtype("layer_norm", *autocast) if autocast is not None else None  # fp32 on CUDA
     for p in (w, b):
-        if p is not None and not (last_dim_vector(p, tx.shape[-1]) and tensor(p).dtype in (tx.dtype, torch.float32)):
+        if p is not None and not (last_dim_vector(p, tx.shape[-1])
+                                  and (cast is not None or tensor(p).dtype in (tx.dtype, torch.float32))):
             return Skip(name, n, "weight/bias shapes or dtypes")
-    return Match(name, n, [n], fn.layer_norm, (x, w, b), dict(eps=float(eps)), proven=True)
+    if tensor(n).dtype != (cast or tx.dtype):
+        return Skip(name, n, f"output dtype {tensor(n).dtype} differs from the kernel's {cast or tx.dtype}")
+    return Match(name, n, [n], fn.layer_norm, (x, w, b), dict(eps=float(eps), dtype=cast), proven=True)
 
 
 # -- dropout --------------------------------------------------------------------------------

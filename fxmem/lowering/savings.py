@@ -2,9 +2,12 @@
 the fused replacement keeps, both run on meta tensors at the compiled shape (every float input
 requiring grad). Tensors the pattern did not create (its inputs, parameters) are not counted:
 they exist whatever the pattern does. Inside a ``vmap`` region the per-example figure is
-multiplied by the batch size."""
+multiplied by the batch size. Under autocast both run on fake tensors of the values' device
+inside the same autocast (meta tensors have no autocast), so the unfused ops keep autocast's
+casts as they will when AOTAutograd traces them."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -17,15 +20,16 @@ from .match import val
 log = logging.getLogger("fxmem")
 
 
-def _meta(v: Any) -> Any:
-    """``v`` at the compiled shape: meta tensors, SymInts (also inside a size list) as their hints."""
+def _meta(v: Any, device: str | None = "meta") -> Any:
+    """A fresh tensor like ``v`` at its hinted shape (on ``device``; None: ``v``'s own); SymInts,
+    also inside a size list, as their hints."""
     if isinstance(v, (list, tuple)):  # e.g. a view's size, [batch, seq, hidden] with symbolic dims
-        return type(v)(_meta(x) for x in v) if not hasattr(v, "_fields") else v
+        return type(v)(_meta(x, device) for x in v) if not hasattr(v, "_fields") else v
     if isinstance(v, torch.SymInt):
         return hint_int(v)
     if isinstance(v, torch.Tensor):
         shape = [hint_int(s) if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
-        t = torch.empty(shape, dtype=v.dtype, device="meta")
+        t = torch.empty(shape, dtype=v.dtype, device=device or v.device)
         return t.requires_grad_(True) if t.is_floating_point() else t
     return v
 
@@ -57,19 +61,35 @@ def _subgraph(nodes: list[fx.Node], output: fx.Node) -> tuple[fx.GraphModule, li
     return fx.GraphModule(torch.nn.Module(), g), inputs
 
 
+def _under(autocast: dict | None):
+    """Where the estimate runs: meta tensors, or fake ones inside ``autocast`` (device -> dtype)."""
+    if not autocast:
+        return contextlib.nullcontext(), "meta"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(FakeTensorMode())
+    for device, dtype in autocast.items():
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack, None
+
+
 def bytes_saved(nodes: list[fx.Node], output: fx.Node, call: Callable, args: tuple, kwargs: dict,
-                batch: int = 1) -> int | None:
+                batch: int = 1, autocast: dict | None = None) -> int | None:
     """Saved-for-backward bytes of ``nodes`` (computing ``output``) minus those of
-    ``call(*args, **kwargs)``; None when either cannot run on meta tensors."""
+    ``call(*args, **kwargs)``; None when either cannot run on meta (fake) tensors. ``autocast``:
+    the autocast on where they run (device type -> dtype)."""
     try:
-        gm, inputs = _subgraph(nodes, output)
-        before_in = [_meta(val(a)) for a in inputs]
-        # gm.forward, not gm(): GraphModule.__call__ prints a traceback to stderr when it raises
-        before = _kept_bytes(lambda: gm.forward(*before_in), before_in)
-        meta: dict[fx.Node, Any] = {}
-        after_args = fx.node.map_arg(args, lambda a: meta.setdefault(a, _meta(val(a))))
-        after_kwargs = fx.node.map_arg(kwargs, lambda a: meta.setdefault(a, _meta(val(a))))
-        after = _kept_bytes(lambda: call(*after_args, **after_kwargs), list(meta.values()))
+        context, device = _under(autocast)
+        with context:
+            gm, inputs = _subgraph(nodes, output)
+            before_in = [_meta(val(a), device) for a in inputs]
+            # gm.forward, not gm(): GraphModule.__call__ prints a traceback to stderr when it raises
+            before = _kept_bytes(lambda: gm.forward(*before_in), before_in)
+            meta: dict[fx.Node, Any] = {}
+            after_args = fx.node.map_arg(args, lambda a: meta.setdefault(a, _meta(val(a), device)))
+            after_kwargs = fx.node.map_arg(kwargs, lambda a: meta.setdefault(a, _meta(val(a), device)))
+            after = _kept_bytes(lambda: call(*after_args, **after_kwargs), list(meta.values()))
     except Exception as e:  # the estimate is informative only: never fail a compile for it
         log.debug("fxmem lowering: no saved-bytes estimate for %s: %s", output.name, e)
         return None

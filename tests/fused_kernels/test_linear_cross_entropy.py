@@ -124,6 +124,19 @@ def test_low_precision_matches(dtype, reduction):
     assert loss.dtype == gh.dtype == gw.dtype == gb.dtype == dtype
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_dtype_keeps_a_bf16_inputs_loss_unrounded(reduction):
+    # As F.cross_entropy(linear(h, w, b).float(), t) under bf16 (what autocast computes): bf16
+    # logits, fp32 loss; without loss_dtype the loss would be rounded to bf16 (2**-9 relative).
+    h, w, b, t = _inputs((3, 7), bias=True, dtype=torch.bfloat16)
+    loss = linear_cross_entropy(h, w, t, b, reduction=reduction, loss_dtype=torch.float32, workspace_bytes=5 * V * 6)
+    ref = F.cross_entropy(F.linear(h, w, b).float().view(-1, V), t.view(-1), reduction=reduction)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref.view(loss.shape), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(loss.sum(), [h, w, b])
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", ["plain", "all", "zloss"])
 def test_triton_kernel_through_interpreter(reduction, opts, monkeypatch):
@@ -157,7 +170,7 @@ def test_backward_recomputes_when_forward_computed_no_gradients(reduction):
     opts = (-100, 0.1, 0.7, 4.0, 1e-2, SMALL_WS, "torch")
     kw = dict(label_smoothing=0.1, logit_scale=0.7, softcap=4.0, z_loss=1e-2, reduction=reduction)
     assert_same(lambda h, w, b: lce_mod._LinearCrossEntropy.apply(h, w, b, t, opts, reduction,
-                                                                  (False, False, False), None)[0],
+                                                                  (False, False, False), None, None)[0],
                 lambda h, w, b: _ref(h, w, t, b, **kw), [h, w, b])
 
 
