@@ -149,7 +149,7 @@ def _mutated_primals(gm: fx.GraphModule, primals: tuple[fx.Node, ...],
     descs = gm.graph.output_node().meta.get("desc") or ()
     named = [d.mutated_input for d in descs if isinstance(d, InputMutationAOTOutput)]
     mutated |= {p for p in primals if p.meta.get("desc") is not None and p.meta["desc"] in named}
-    return frozenset(p for p in mutated if p in set(primals))
+    return frozenset(mutated & set(primals))
 
 
 def mark_mutated_reads(joint: JointGraph) -> None:
