@@ -79,3 +79,29 @@ def test_a_step_out_of_time_is_recorded_and_the_run_goes_on():
         with limits.limit(0.05, "outer"):
             limits.guarded(30, "inner", slow)
     assert not limits.active
+
+
+def test_a_time_limit_wrapped_or_swallowed_by_the_code_it_interrupts_still_ends_it():
+    gpu = load_bench_module("gpu")
+    limits = gpu.Limits()
+
+    def wraps():  # as Dynamo wraps a backend's exception
+        try:
+            while True:
+                time.sleep(0.01)
+        except BaseException as e:
+            raise RuntimeError("backend compiler failed") from e
+
+    def swallows():  # as a fallback that catches everything once
+        try:
+            while True:
+                time.sleep(0.01)
+        except BaseException:
+            pass
+        while True:
+            time.sleep(0.01)
+
+    assert limits.guarded(0.05, "wrapped", wraps)[0].startswith("skipped: time limit")
+    t0 = time.monotonic()
+    assert limits.guarded(0.05, "swallowed", swallows)[0].startswith("skipped: time limit")
+    assert time.monotonic() - t0 < 3  # raised again a second later
