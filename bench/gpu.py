@@ -271,27 +271,13 @@ class KernelSpec:
 LCE_KW = dict(label_smoothing=0.1, softcap=30.0, z_loss=1e-4)  # test_cuda_triton_matches' options
 
 
-def _lce_reference(h, w, b, t, reduction):
-    """The unfused expression in fp32 (tests/fused_kernels/test_linear_cross_entropy.py's ``_ref``)."""
-    import torch
-    import torch.nn.functional as F
-
-    z = F.linear(h.float(), w.float(), b.float())
-    z = LCE_KW["softcap"] * torch.tanh(z / LCE_KW["softcap"])
-    z2, t2 = z.reshape(-1, z.shape[-1]), t.reshape(-1)
-    loss = F.cross_entropy(z2, t2, label_smoothing=LCE_KW["label_smoothing"], reduction="none")
-    valid = t2 != -100
-    loss = loss + torch.where(valid, LCE_KW["z_loss"] * torch.logsumexp(z2, -1) ** 2, 0.0)
-    out = loss.view(t.shape) if reduction == "none" else loss.sum() / valid.sum()
-    return out.to(h.dtype)
-
-
 def kernel_specs() -> list[KernelSpec]:
     import torch
     import torch.nn.functional as F
     from kernel_cases.norms import _rms_llama
 
     from fxmem_kernels import bias_gelu, geglu, layer_norm, linear_cross_entropy, rms_norm, swiglu
+    from fxmem_kernels.linear_cross_entropy import reference as lce_reference
 
     def gemma(x, w, eps=1e-6):  # transformers' GemmaRMSNorm.forward
         h = x.float()
@@ -318,7 +304,7 @@ def kernel_specs() -> list[KernelSpec]:
             f"linear_cross_entropy {red}", "lce",
             lambda h, w, b, t, impl, red=red: linear_cross_entropy(h, w, t, b, reduction=red, workspace_bytes=2**20,
                                                                     impl=impl, **LCE_KW),
-            lambda h, w, b, t, red=red: _lce_reference(h, w, b, t, red), (0, None, None, 0)))
+            lambda h, w, b, t, red=red: lce_reference(h, w, t, b, reduction=red, **LCE_KW), (0, None, None, 0)))
     return specs
 
 

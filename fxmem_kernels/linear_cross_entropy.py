@@ -610,3 +610,28 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
              on and bias is not None and bias.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, opts, reduction, grads,
                                      None if logits is None else logits.detach(), loss_dtype)[0]
+
+
+def reference(h, w, t, b=None, *, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+         logit_scale=1.0, softcap=None, z_loss=0.0, **_):
+    """The unfused expression the fused op computes, in fp32, written out: F.linear +
+    scale/softcap + F.cross_entropy (+ z-loss on the non-ignored tokens); what the kernel's
+    tests and the GPU bench compare against."""
+    import torch.nn.functional as F
+
+    z = F.linear(h.float(), w.float(), None if b is None else b.float()) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z, tt = z.reshape(-1, z.shape[-1]), t.reshape(-1)
+    loss = F.cross_entropy(z, tt, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction="none")
+    valid = tt != ignore_index
+    if z_loss:
+        loss = loss + torch.where(valid, z_loss * torch.logsumexp(z, -1) ** 2, 0.0)
+    if reduction == "none":
+        out = loss.view(t.shape)
+    elif reduction == "sum":
+        out = loss.sum()
+    else:
+        out = loss.sum() / valid.sum()
+    return out.to(h.dtype)

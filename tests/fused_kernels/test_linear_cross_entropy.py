@@ -10,6 +10,7 @@ from fxmem_kernels.linear_cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_backward_op,
     linear_cross_entropy_op,
+    reference,
 )
 
 from .util import assert_same, assert_triton_matches_portable, cuda_test
@@ -27,26 +28,7 @@ OPTIONS = {  # name -> keyword arguments (beyond reduction)
 }
 
 
-def _ref(h, w, t, b=None, *, ignore_index=-100, label_smoothing=0.0, reduction="mean",
-         logit_scale=1.0, softcap=None, z_loss=0.0, **_):
-    """The unfused expression, in fp32, written out: F.linear + scale/softcap + F.cross_entropy
-    (+ z-loss on the non-ignored tokens)."""
-    z = F.linear(h.float(), w.float(), None if b is None else b.float()) * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z, tt = z.reshape(-1, z.shape[-1]), t.reshape(-1)
-    loss = F.cross_entropy(z, tt, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           reduction="none")
-    valid = tt != ignore_index
-    if z_loss:
-        loss = loss + torch.where(valid, z_loss * torch.logsumexp(z, -1) ** 2, 0.0)
-    if reduction == "none":
-        out = loss.view(t.shape)
-    elif reduction == "sum":
-        out = loss.sum()
-    else:
-        out = loss.sum() / valid.sum()
-    return out.to(h.dtype)
+_ref = reference  # the unfused expression, written out (fxmem_kernels.linear_cross_entropy.reference)
 
 
 def _inputs(shape, h_dim=16, v=V, bias=False, dtype=torch.float32, ignore=-100, seed=0):
