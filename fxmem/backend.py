@@ -1,20 +1,25 @@
-"""The ``fxmem`` torch.compile backend, stage by stage.
+"""The ``fxmem`` torch.compile backend: the pipeline, one stage after another.
 
-    Dynamo graph ─► options ─► per-example regions (vmap(grad) → chunked step) ─► pattern lowering
-        ─► AOTAutograd joint graph ─► symbolic sizes ─► recompute plan (min-cut) ─► fw/bw split
-        ─► inner compiler (eager | Inductor) ─► reports, on the compile's Compilation record
+    options ─► per-example regions ─► lowering (decided) ─► AOT trace ─► sizes ─► plan ─► split
+        ─► inner compile ─► record
 
-A per-example region's chunk graphs take the same path from pattern lowering on
-(:func:`_compile_chunk`), when the chunked step first runs at a size.
+:func:`fxmem_backend` is that list. AOTAutograd (or Inductor) traces the joint graph and calls
+fxmem's partition function back with it, so the middle stages (joint graph, sizes, plan, split)
+run inside :class:`~fxmem.remat.partition.Partitioner`, a thin adapter that calls those stage
+functions in order. The options are resolved once and flow down unchanged; each stage gets the
+settings derived from them (:class:`~fxmem.remat.settings.PlanSettings` for the planner). A
+per-example region's chunk graphs take the same path from lowering on (:func:`_compile_chunk`),
+when the chunked step first runs at a size. Each stage logs one INFO line (``TORCH_LOGS=fxmem``)
+with its time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import warnings
-from dataclasses import dataclass, replace
+import time
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -25,10 +30,11 @@ from .fallback import is_failure, stage_failed
 from .graph.sizes import check_plan_shape, model_state_bytes, static_dims
 from .graph_breaks import ignore_once_warnings
 from .inputs import Inputs
+from .lowering.decide import Decision, decide
 from .options import OptionError, Options, resolve
-from .remat.budget import BudgetError
-from .remat.partition import Partitioner
-from .report import graph_peak, publish
+from .remat.partition import Partitioner, PlannedGraph
+from .remat.settings import PlanSettings
+from .report import publish
 
 log = logging.getLogger("fxmem")
 
@@ -36,14 +42,64 @@ log = logging.getLogger("fxmem")
 def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
     """``torch.compile(model, backend="fxmem", options={...})``."""
-    opts = _options(options, kwargs)
+    opts = _options(options, kwargs)                                              # options
     check_plan_shape(gm, opts.plan_shape)
     ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
-    log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
     comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), model_state_bytes(gm),
                        requested=as_requested(options))
-    compiled = _per_example(gm, example_inputs, comp) or _whole(gm, example_inputs, comp)
+    log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
+    with _stage("per-example"):
+        chunked = _per_example(gm, example_inputs, comp)                          # per-example regions
+    if chunked is not None:
+        return Compiled(chunked, comp)
+    try:
+        with _stage("lowering"):
+            decision = decide(gm, example_inputs, opts)                           # lowering (decided)
+        with _stage(f"compile (AOT trace, plan, split, {opts.inner} inner compiler)"):
+            if decision.trial is not None:  # the decision's trial is this compile (eager inner compiler)
+                compiled, planned, lowered = decision.trial.compiled, decision.trial.planned, decision.lowering
+                decision.trial.warn()
+            else:
+                compiled, planned, lowered = _compile(gm, decision, example_inputs, opts)  # AOT trace .. inner
+    except Exception as e:  # noqa: BLE001 - the failure policy decides
+        stage_failed("compile", e, opts)
+        return Compiled(inner.compile_safe(gm, example_inputs), comp)  # the graph as Dynamo gave it: no lowering
+    with _stage("record"):
+        publish(comp, planned, lowered)                                           # record
     return Compiled(compiled, comp)
+
+
+def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any],
+             opts: Options) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
+    """AOTAutograd with fxmem's partitioner (sizes, plan, split), then the inner compiler, on the
+    decided graph; where that fails (e.g. a fused kernel's backward differentiated again), on the
+    unlowered graph, with the report saying why."""
+    partitioner = Partitioner(PlanSettings.of(opts))
+    try:
+        return inner.compile_joint(decision.gm, example_inputs, opts.inner, partitioner), partitioner.planned, \
+            decision.lowering
+    except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
+        if decision.gm is gm or not is_failure(e):
+            raise
+        log.debug("fxmem lowering: the lowered graph failed to compile (%s: %s); compiling it unlowered",
+                  type(e).__name__, e)
+        why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
+               "the unlowered one could")
+    partitioner = Partitioner(PlanSettings.of(opts))
+    return inner.compile_joint(gm, example_inputs, opts.inner, partitioner), partitioner.planned, \
+        decision.lowering.declined(why)
+
+
+LONG_STAGE_S = 1.0  # a stage this long is logged at INFO (TORCH_LOGS=fxmem shows it), shorter ones at DEBUG
+
+
+@contextlib.contextmanager
+def _stage(name: str) -> Iterator[None]:
+    """One line per stage with its time, at INFO where it took long: a long compile shows where it is."""
+    t = time.perf_counter()
+    yield
+    took = time.perf_counter() - t
+    log.log(logging.INFO if took >= LONG_STAGE_S else logging.DEBUG, "fxmem %s: done in %.1f s", name, took)
 
 
 def _options(options: Mapping[str, Any] | Options | None, kwargs: Mapping[str, Any]) -> Options:
@@ -57,142 +113,41 @@ def _options(options: Mapping[str, Any] | Options | None, kwargs: Mapping[str, A
 
 def _per_example(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> Callable | None:
     """The chunked step when the graph has a per-example region to chunk, else None."""
+    opts = comp.options
+    chunk_lowering = _chunk_lowering(opts)
+
     def compile_chunk(g: fx.GraphModule, ins: list, measure: bool = False) -> Callable:
-        opts = replace(comp.options, inner="eager") if measure else comp.options
-        return _compile_chunk(g, ins, comp, opts)
+        return _compile_chunk(g, ins, comp, chunk_lowering, "eager" if measure else opts.inner, opts.ghost_clipping)
 
     def decided(plan: per_example.ChunkPlan) -> None:
         comp.chunk_plan = plan
 
     try:
-        chunked = per_example.compile_chunked(gm, example_inputs, comp.options, compile_chunk, decided)
+        chunked = per_example.compile_chunked(gm, example_inputs, opts, compile_chunk, decided)
     except Exception as e:  # noqa: BLE001 - the failure policy decides
-        stage_failed("per_example", e, comp.options)
+        stage_failed("per_example", e, opts)
         return None
     log.debug("fxmem per-example: %s", "the graph runs in chunks" if chunked else "nothing to chunk")
     return chunked
 
 
-def _whole(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> Callable:
-    """Lowering, AOTAutograd with fxmem's partitioner, the inner compiler, the reports."""
-    opts = comp.options
-    try:
-        lowered_gm, lowered, trial = _lower(gm, example_inputs, opts)
-        log.debug("fxmem lowering: %d patterns lowered, %d skipped", len(lowered.lowered), len(lowered.skipped))
-        if trial is not None and opts.inner == "eager":  # the comparison compiled this very graph
-            compiled, partitioner = trial.compiled, trial.partitioner
-            trial.warn()
-        else:
-            partitioner, compiled, lowered = _compile_lowered(gm, lowered_gm, lowered, example_inputs, opts)
-    except Exception as e:  # noqa: BLE001
-        stage_failed("compile", e, opts)
-        return inner.compile_safe(gm, example_inputs)  # the graph as Dynamo gave it: no lowering
-    log.debug("fxmem compile: %s inner compiler done, %d plan(s)", opts.inner, len(partitioner.planned))
-    publish(comp, partitioner.planned, lowered)
-    return compiled
-
-
-def _lower(gm: fx.GraphModule, example_inputs: list[Any],
-           opts: Options) -> tuple[fx.GraphModule, lowering.Lowering, _Trial | None]:
-    """Pattern lowering. Proven matches (they never raise the planned peak:
-    :attr:`fxmem.lowering.patterns.Match.proven`) are applied as they are, futile ones (their sizes
-    say they cannot lower it: :attr:`~fxmem.lowering.patterns.Match.futile`) are declined; where
-    the others match,
-    the graph with every match and the graph with the proven ones alone are both planned
-    (AOTAutograd with the eager inner compiler, which traces and plans but runs nothing) and the
-    others are kept only if they lower the peak, and plan where the proven-only graph plans (the
-    report says so otherwise; a tie is declined: the fused kernels' own buffers are the
-    estimate's least certain part). Returns (graph, what was lowered, the chosen graph's
-    :class:`_Trial`, or None where nothing was compared)."""
-    lowered_gm, lowered = lowering.lower(gm, example_inputs, opts, decline_futile=True)
-    unproven = sorted({x.pattern for x in lowered.unproven()})
-    if not unproven:
-        return lowered_gm, lowered, None
-    base_gm, _ = lowering.lower(gm, example_inputs, opts, proven_only=True, decline_futile=True)
-    with_trial, without_trial = _trial(lowered_gm, example_inputs, opts), _trial(base_gm, example_inputs, opts)
-    with_lowering, without = (t.peak if t is not None else None for t in (with_trial, without_trial))
-    log.debug("fxmem lowering: planned peak %s bytes with %s, %s without", with_lowering, unproven, without)
-    if with_lowering is None and without is not None:
-        return base_gm, lowered.declined_unproven(
-            "not applied: the graph with it could not be planned (e.g. a fused kernel's backward "
-            "differentiated again); the graph without it could"), without_trial
-    if with_lowering is not None and without is not None and with_lowering >= without:
-        return base_gm, lowered.declined_unproven(f"not applied: the plan with it peaks at {with_lowering:,} bytes, "
-                                                  f"not below {without:,} without it"), without_trial
-    return lowered_gm, lowered, with_trial
-
-
-def _compile_lowered(gm: fx.GraphModule, lowered_gm: fx.GraphModule, lowered: lowering.Lowering,
-                     example_inputs: list[Any], opts: Options) -> tuple[Partitioner, Callable, lowering.Lowering]:
-    """The lowered graph compiled and planned; where that fails (e.g. a fused kernel's backward
-    differentiated again), the unlowered graph, with the report saying why."""
-    partitioner = Partitioner(opts)
-    try:
-        return partitioner, inner.compile_joint(lowered_gm, example_inputs, opts.inner, partitioner), lowered
-    except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
-        if lowered_gm is gm or not is_failure(e):
-            raise
-        log.debug("fxmem lowering: the lowered graph failed to compile (%s: %s); compiling it unlowered",
-                  type(e).__name__, e)
-        why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
-               "the unlowered one could")
-        partitioner = Partitioner(opts)
-        return partitioner, inner.compile_joint(gm, example_inputs, opts.inner, partitioner), lowered.declined(why)
-
-
-@dataclass
-class _Trial:
-    """A graph compiled with the eager inner compiler to compare planned peaks; with the eager
-    inner compiler it is the compile itself (its warnings, held back, are given when it is used)."""
-    compiled: Callable
-    partitioner: Partitioner
-    caught: list
-    peak: int | None  # the largest simulated step peak of its plans; None: nothing planned
-
-    def warn(self) -> None:
-        for w in self.caught:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-
-
-def _trial(gm: fx.GraphModule, example_inputs: list[Any], opts: Options) -> _Trial | None:
-    """``gm`` compiled (eager inner compiler) and planned; None when there is no plan to compare
-    (planning failed: strict here, so that the real compile alone reports a failure, once; an
-    unmet budget is compared at the plan the compile falls back to)."""
-    def planned(strict: bool) -> _Trial:
-        partitioner = Partitioner(replace(opts, inner="eager", strict=strict))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            compiled = inner.compile_joint(gm, example_inputs, "eager", partitioner)
-        peaks = [graph_peak(g) for g in partitioner.planned]
-        partitioner.options = opts  # planned as asked (strict here only turns failures into errors)
-        return _Trial(compiled, partitioner, caught, max(peaks) if peaks else None)
-
-    try:
-        try:
-            return planned(strict=True)
-        except BudgetError:  # unmet: compare the plans the real compile falls back to (least peak)
-            return planned(strict=False) if not opts.strict else None
-    except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
-        log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
-        return None
-
-
-def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation, opts: Options) -> Callable:
+def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation,
+                   chunk_lowering: bool | Mapping[str, bool], inner_name: str, ghost: bool) -> Callable:
     """A per-example chunk graph: lowering, then AOTAutograd's flat graph with ghost norms
-    (``ghost_clipping``) and the recompute plan of its inner backward, the inner compiler, the
-    reports. In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch
-    size), so the inner planner gets the level and rules only."""
-    opts = replace(opts, memory_budget=None, peak_budget=None, lowering=_chunk_lowering(opts))
-    gm, lowered = lowering.lower(gm, example_inputs, opts)
-    partitioner = Partitioner(opts)
-    ghost = per_example.Ghost(opts, gm)
-    compiled = inner.compile_flat(gm, example_inputs, opts.inner, lambda g: per_example.plan_flat(g, partitioner),
-                                  rewrite=ghost if ghost.enabled else None)
-    if ghost.decisions and comp.chunk_plan is not None:
-        comp.chunk_plan.ghost = ghost.decisions
+    (``ghost``) and the recompute plan of its inner backward, the inner compiler, the record.
+    In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch size), so
+    the inner planner gets the level and rules only. Where a ghost norm cannot serve a call, the
+    chunk is compiled again without ghost norms."""
+    gm, lowered = lowering.lower(gm, example_inputs, chunk_lowering)
+    partitioner = Partitioner(PlanSettings.of(comp.options, inner=inner_name, budgets=False))
+    ghost_pass = per_example.Ghost(comp.options if ghost else None, gm)  # None: ghost clipping off
+    compiled = inner.compile_flat(gm, example_inputs, inner_name, lambda g: per_example.plan_flat(g, partitioner),
+                                  rewrite=ghost_pass if ghost_pass.enabled else None)
+    if ghost_pass.decisions and comp.chunk_plan is not None:
+        comp.chunk_plan.ghost = ghost_pass.decisions
     publish(comp, partitioner.planned, lowered)
-    materialized = lambda ins: _compile_chunk(gm, ins, comp, replace(opts, ghost_clipping=False))  # noqa: E731
-    return ghost.guard(compiled, materialized)
+    materialized = lambda ins: _compile_chunk(gm, ins, comp, chunk_lowering, inner_name, False)  # noqa: E731
+    return ghost_pass.guard(compiled, materialized)
 
 
 def _chunk_lowering(opts: Options) -> bool | Mapping[str, bool]:

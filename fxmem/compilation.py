@@ -1,8 +1,8 @@
 """One compile, one record: what fxmem decided for one Dynamo graph, carried by its compiled callable.
 
-The backend makes a :class:`Compilation` per graph Dynamo hands it; every stage writes into it
-(the per-example pass its chunk plan, lowering what it replaced, the partitioner each graph it
-planned, the backend the reports) and the callable Dynamo caches, :class:`Compiled`, holds it.
+The backend makes a :class:`Compilation` per graph Dynamo hands it and writes the stages' results
+into it (the per-example pass's chunk plan, each graph the partitioner planned with its report,
+what lowering replaced); the callable Dynamo caches, :class:`Compiled`, holds it.
 Nothing is held at module level, so a compile's graphs die with its compiled function (when the
 model is freed and Dynamo's cache dropped, e.g. by ``torch._dynamo.reset()``): the live records
 are listed in a weak set (:data:`_LIVE`), which holds none of them alive.
@@ -28,22 +28,9 @@ from .inputs import Inputs
 from .options import Options
 
 if TYPE_CHECKING:
-    from .graph.sizes import SymbolicSizes
     from .lowering import Lowering
     from .per_example.run import ChunkPlan
-    from .remat.plan import Plan
-    from .remat.split import Split
-    from .report.model import GraphReport
-
-
-@dataclass(eq=False)
-class PlannedGraph:
-    """One joint (or per-example chunk) graph that fxmem's partitioner planned and split."""
-    plan: "Plan"
-    split: "Split"
-    sizes: "SymbolicSizes"
-    primal_names: frozenset[str]  # the joint graph's inputs (their views keep no storage)
-    report: "GraphReport | None" = None  # built by the backend once the graph is compiled
+    from .remat.partition import PlannedGraph
 
 
 @dataclass(eq=False)
@@ -54,7 +41,7 @@ class Compilation:
     compile_id: Any = None  # Dynamo's CompileId ("0/1"): names report files, tags trace artifacts
     static_dims: dict[str, int] = field(default_factory=dict)  # input dimensions Dynamo specialized
     model_bytes: tuple[int, int] = (0, 0)  # (parameters and buffers, trainable parameters) in bytes
-    graphs: list[PlannedGraph] = field(default_factory=list)  # in compile order
+    graphs: list["PlannedGraph"] = field(default_factory=list)  # in compile order
     chunk_plan: "ChunkPlan | None" = None  # the per-example pass's decision, when it found a region
     # Lowerings of graphs compiled without a backward to plan (no outer backward): one per graph.
     unplanned_lowerings: list["Lowering"] = field(default_factory=list)

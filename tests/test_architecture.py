@@ -87,6 +87,30 @@ def test_the_planner_sits_below_the_backend_and_the_reports():
     assert not bad, f"remat/ reaches up into: {bad}"
 
 
+def test_the_planner_and_the_graph_analyses_import_no_stage_above_them():
+    """remat/ and graph/ know nothing of the inner compiler, the reports or the compile records:
+    the target's memory model reaches the planner as an object (remat.settings.Target)."""
+    g = import_graph()
+    above = ("fxmem.inner", "fxmem.report", "fxmem.compilation", "fxmem.backend")
+    bad = [(m, t) for m in g if m.startswith(("fxmem.remat", "fxmem.graph")) for t in g.successors(m)
+           if t.startswith(above)]
+    assert not bad, f"remat/ or graph/ imports a stage above it: {bad}"
+
+
+def test_options_flow_down_unchanged():
+    """No module but options.py makes a changed copy of the options (``dataclasses.replace`` of an
+    ``Options``): each stage derives its own settings from them instead."""
+    found = []
+    for mod, (path, _) in _modules().items():
+        if mod == "fxmem.options":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("replace", "dataclasses.replace") \
+                    and node.args and "opt" in ast.unparse(node.args[0]).lower():
+                found.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "Options replaced downstream: " + "; ".join(found)
+
+
 # The one module-level registry: a weak set of the live compile records (it holds none of them
 # alive), so that fxmem.compilations() need not scan the heap.
 WEAK_REGISTRIES = {"fxmem.compilation": "_LIVE"}

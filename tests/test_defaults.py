@@ -165,19 +165,19 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
     alone (forced here: the planner's estimate of the first is doubled), the unproven matches
     (the cross-entropy, SwiGLU) are not applied, the notes say why, and the measured peak is that
     of a compile without them."""
-    import fxmem.backend as backend
+    import fxmem.lowering.decide as decide
 
     torch._dynamo.reset()
     ids = torch.randint(0, 256, (2, 64))  # ratio 1.33: the fused loss is compared, not proven or futile
     off, _ = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY}, ids)
-    planned, calls = backend._trial, []
+    planned, calls = decide.trial, []
 
-    def lowered_peaks_higher(gm, example_inputs, opts):  # _lower plans the fully lowered graph first
+    def lowered_peaks_higher(gm, example_inputs, settings):  # decide() plans the fully lowered graph first
         calls.append(gm)
-        trial = planned(gm, example_inputs, opts)
+        trial = planned(gm, example_inputs, settings)
         return dataclasses.replace(trial, peak=trial.peak * 2) if len(calls) % 2 == 1 and trial.peak else trial
 
-    monkeypatch.setattr(backend, "_trial", lowered_peaks_higher)
+    monkeypatch.setattr(decide, "trial", lowered_peaks_higher)
     torch._dynamo.reset()
     declined, report = _measured(_tied_llama(), {"level": 1, "lowering": True}, ids)
     assert len(calls) == 2
@@ -191,12 +191,12 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
 def test_proven_matches_alone_are_applied_without_comparing_plans(monkeypatch):
     """The norms never raise the planned peak (tests/test_lowering_proven.py): with only those
     enabled, the backend plans the graph once (no comparison trial)."""
-    import fxmem.backend as backend
+    import fxmem.lowering.decide as decide
 
     def no_trial(*args):
         raise AssertionError("a proven lowering was compared")
 
-    monkeypatch.setattr(backend, "_trial", no_trial)
+    monkeypatch.setattr(decide, "trial", no_trial)
     torch._dynamo.reset()
     _, report = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY}, torch.randint(0, 256, (2, 32)))
     assert {r.pattern for r in report.lowerings} == {"rms_norm"}
@@ -206,17 +206,17 @@ def test_default_lowering_decides_the_loss_and_swiglu_without_comparing_plans(mo
     """Default options: the fused loss at a logits-to-gradients ratio from ``CE_PROVEN_FROM`` on
     is applied and SwiGLU (it never changed the planned peak) left alone, both without a
     comparison; named in ``lowering``, SwiGLU is compared (and declined: a tie)."""
-    import fxmem.backend as backend
+    import fxmem.lowering.decide as decide
     from fxmem.lowering.patterns import GLU_FUTILE
 
     ids = torch.randint(0, 256, (2, 256))  # ratio 512 * 256 / (768 * 64) = 2.67
-    planned, calls = backend._trial, []
+    planned, calls = decide.trial, []
 
     def counted(*args):
         calls.append(args)
         return planned(*args)
 
-    monkeypatch.setattr(backend, "_trial", counted)
+    monkeypatch.setattr(decide, "trial", counted)
     torch._dynamo.reset()
     _, report = _measured(_tied_llama(), {"level": 1}, ids)
     assert calls == []

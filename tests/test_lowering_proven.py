@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from fxmem import backend, lowering
+from fxmem import lowering
 from fxmem.lowering import patterns
+from fxmem.lowering.decide import trial
 from fxmem.options import resolve
+from fxmem.remat.settings import PlanSettings
 from fxmem.testing import zoo
 from fxmem.testing.lowering import dynamo_graph, planned_peaks
 
@@ -21,11 +23,11 @@ def test_proven_lowerings_never_raise_the_planned_peak(name):
     gm, inputs = dynamo_graph(getattr(zoo, name)())
     for level in (0, 1, 2):
         opts = resolve({"inner": "eager", "level": level, "lowering": True})
-        lowered_gm, lowered = lowering.lower(gm, inputs, opts, proven_only=True)
+        lowered_gm, lowered = lowering.lower(gm, inputs, opts.lowering, proven_only=True)
         assert lowered.lowered and all(x.proven for x in lowered.lowered), name
         assert {x.pattern for x in lowered.lowered} <= {"rms_norm", "layer_norm"}
-        proven = backend._trial(lowered_gm, inputs, opts).peak
-        plain = backend._trial(gm, inputs, resolve({"inner": "eager", "level": level, "lowering": False})).peak
+        proven = trial(lowered_gm, inputs, PlanSettings.of(opts)).peak
+        plain = trial(gm, inputs, PlanSettings.of(resolve({"inner": "eager", "level": level}))).peak
         assert proven <= plain, (name, level, proven, plain)
 
 

@@ -16,6 +16,7 @@ from fxmem.inner import reuse_dead_buffers
 from fxmem.models import build
 from fxmem.remat.allowlist import HEAVY, kind
 from fxmem.remat.mincut import CutProblem, frontier
+from fxmem.remat.settings import PlanSettings
 from fxmem.remat.split import InvalidSavedSet, split
 from fxmem.remat.steppeak import StepPeak
 from fxmem.testing.zoo import zoo_build
@@ -74,7 +75,7 @@ def test_step_peak_equals_the_split_graphs_peak(case):
     rng, checked = random.Random(0), 0
     for graph, opts in _graphs(make(), **options):
         p = graph.plan.problem
-        fast = StepPeak(p.joint, graph.sizes, opts)
+        fast = StepPeak(p.joint, graph.sizes, PlanSettings.of(opts))
         for saved in [list(graph.plan.saved), *_saved_sets(p, rng)]:
             try:
                 want = _reference(p.joint, saved, graph.sizes, opts)

@@ -1,8 +1,7 @@
 """Pattern lowering: find the patterns of :data:`patterns.PATTERNS` in a Dynamo graph and replace
 each by a call of a fused ``fxmem_kernels`` kernel, before AOTAutograd differentiates the graph.
 
-    gm, lowered = lower(gm, example_inputs, options)   # in the backend, before AOTAutograd
-    ...                                                 # lowered.rows(): the report's lowering rows
+    gm, lowered = lower(gm, example_inputs, options.lowering)   # before AOTAutograd
 
 ``options.lowering``: True (every pattern), False (none), or a dict pattern -> bool in which
 patterns not named stay on; the default, ``{"dropout": False}``, is every pattern but seeded
@@ -68,7 +67,6 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from ..options import Options
 from . import amp
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
@@ -103,23 +101,6 @@ class Lowering:
             out[x.pattern] = out.get(x.pattern, 0) + 1
         return out
 
-    def rows(self) -> list:
-        """One :class:`fxmem.report.model.LoweringRow` per pattern lowered, in table order."""
-        from ..report.model import LoweringRow
-
-        rows = []
-        for p in PATTERNS:
-            occ = [x for x in self.lowered if x.pattern == p.name]
-            if not occ:
-                continue
-            known = [x.bytes_saved for x in occ if x.bytes_saved is not None]
-            notes = sorted({x.note for x in occ if x.note})
-            if any(x.per_example for x in occ):
-                notes.append(f"{sum(x.per_example for x in occ)} inside vmap(grad) regions")
-            rows.append(LoweringRow(p.name, len(occ), sum(known) if len(known) == len(occ) else None,
-                                    p.replacement, notes))
-        return rows
-
     def notes(self) -> list[str]:
         return [f"left alone: {pattern} at {node}: {why}" for pattern, node, why in self.skipped]
 
@@ -136,16 +117,16 @@ class Lowering:
                         [(x.pattern, x.node, why) for x in self.unproven()] + self.skipped)
 
 
-def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
+def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str, bool],
           proven_only: bool = False, decline_futile: bool = False) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
-    as it is, for a fallback compile), and what was done. ``options.lowering``: True (all), False
-    (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
+    as it is, for a fallback compile), and what was done. ``lowering`` (the option): True (all),
+    False (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
     matches that never raise the planned peak (:attr:`patterns.Match.proven`);
     ``decline_futile``: matches that cannot lower it (:attr:`patterns.Match.futile`) are left
-    alone, with that reason, unless ``options.lowering`` asks for their pattern by name (or is True)."""
+    alone, with that reason, unless ``lowering`` asks for their pattern by name (or is True)."""
     result = Lowering()
-    patterns = enabled(options.lowering)
+    patterns = enabled(lowering)
     if not patterns:
         return gm, result
     unknown = amp.unknown_devices(amp.states(gm.graph))
@@ -166,8 +147,7 @@ def lower(gm: fx.GraphModule, example_inputs: Any, options: Options,
             except Exception as e:  # a finder's bug must not break a compile: leave the node alone
                 log.debug("fxmem lowering: %s finder failed at %s", pattern.name, node.name, exc_info=True)
                 found = Skip(pattern.name, node, f"matcher error ({type(e).__name__}: {e})")
-            if isinstance(found, Match) and decline_futile and found.futile and not _named(options.lowering,
-                                                                                             found.pattern):
+            if isinstance(found, Match) and decline_futile and found.futile and not _named(lowering, found.pattern):
                 found = Skip(found.pattern, found.output, found.futile)
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))

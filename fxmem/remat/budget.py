@@ -32,9 +32,10 @@ import torch.fx as fx
 
 from ..graph.joint import JointGraph
 from ..graph.sizes import SymbolicSizes
-from ..options import OptionError, Options
+from ..options import OptionError
 from ..warn import warn
 from .mincut import CutProblem, frontier, saved_bytes
+from .settings import PlanSettings
 from .split import Walk
 from .steppeak import StepPeak
 
@@ -166,11 +167,11 @@ def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], flo
     return [first] + sorted(kept, key=lambda c: -c[2])
 
 
-def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, saved0: list[fx.Node],
+def within_budget(joint: JointGraph, settings: PlanSettings, sizes: SymbolicSizes, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
                   notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
-    """(saved set, recompute weight, recomputable set) for ``options.memory_budget`` or
-    ``options.peak_budget``; never refused.
+    """(saved set, recompute weight, recomputable set) for ``settings.memory_budget`` or
+    ``settings.peak_budget``; never refused.
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
     vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
@@ -184,10 +185,10 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     :func:`_cheapest_under`. An unmet cap gets the plan of least simulated peak with one warning
     (``strict``: :class:`BudgetError`); fraction 0 asks for that plan.
     """
-    recomp, walk, peak_of = recomputable - keep, Walk(joint), StepPeak(joint, sizes, options)
+    recomp, walk, peak_of = recomputable - keep, Walk(joint), StepPeak(joint, sizes, settings)
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
-    budget = options.memory_budget
+    budget = settings.memory_budget
     cap = int(budget * level_bytes) if isinstance(budget, float) else budget
     cuts = [(saved0, LAM_HI)] + [c for c in frontier(p, LAM_LO, LAM_HI) if saved_bytes(p, c[0]) < level_bytes]
     pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
@@ -213,10 +214,10 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
     lowest, least = min(scored, key=lambda c: (c[3], c[2], c[4])), min(c[2] for c in scored)
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")
-    if options.peak_budget is not None:
-        chosen, what = _cheapest_under(scored, options.peak_budget), f"peak budget {options.peak_budget} bytes"
+    if settings.peak_budget is not None:
+        chosen, what = _cheapest_under(scored, settings.peak_budget), f"peak budget {settings.peak_budget} bytes"
         if chosen is None:
-            _unmet(options, f"option 'peak_budget': {options.peak_budget!r} bytes is below every plan's simulated "
+            _unmet(settings, f"option 'peak_budget': {settings.peak_budget!r} bytes is below every plan's simulated "
                             f"step peak; the least is {lowest[3]} bytes among {how}", lowest, notes)
     else:
         chosen, ceiling = _choose(scored, cap)
@@ -228,9 +229,9 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
         elif chosen is None or isinstance(budget, float) and chosen[3] > ceiling * (1 + SLACK):
             # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
             # peak) only plans that peak higher than a higher fraction's
-            _unmet(options, f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
+            _unmet(settings, f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
                             f"the smallest feasible budget is {met} bytes ({met / max(level_bytes, 1):.3f} of "
-                            f"level {options.level}'s {level_bytes}) among {how}"
+                            f"level {settings.level}'s {level_bytes}) among {how}"
                             + ("" if chosen is None else
                                f"; fewer bytes than the least-peak plan's peak higher ({chosen[3]} bytes at the "
                                f"least against {lowest[3]})"), lowest, notes)
@@ -244,16 +245,16 @@ def within_budget(joint: JointGraph, options: Options, sizes: SymbolicSizes, sav
             notes.append(msg)
     chosen = chosen or lowest
     saved, lam, nbytes, peak, cost = chosen
-    notes.append(f"{what}: saved {nbytes} bytes (level {options.level} alone: "
+    notes.append(f"{what}: saved {nbytes} bytes (level {settings.level} alone: "
                  f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
                  f"chosen among {how}")
     return saved, lam, recomp | walk(saved)
 
 
-def _unmet(options: Options, msg: str, lowest: tuple, notes: list[str]) -> None:
+def _unmet(settings: PlanSettings, msg: str, lowest: tuple, notes: list[str]) -> None:
     """A cap no plan meets: :class:`BudgetError` under ``strict``, else one warning (the plan of
     least simulated peak is used)."""
-    if options.strict:
+    if settings.strict:
         raise BudgetError(msg)
     msg += (f"; using the plan of least simulated peak instead: {lowest[2]} bytes saved, simulated peak "
             f"{lowest[3]} bytes (strict=True raises)")

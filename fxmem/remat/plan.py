@@ -14,13 +14,13 @@ from ..graph.cost import recompute_cost
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..graph.liveness import storage_roots
 from ..graph.sizes import SymbolicSizes
-from ..options import Options
 from ..warn import warn
 from .allowlist import CHEAP, HEAVY, kind
 from .budget import within_budget
 from .clusters import Cluster, find_clusters
 from .layers import boundaries, every_kth, layers
 from .mincut import CutProblem, NoPlan, ScaledCut, solve
+from .settings import PlanSettings
 from .steppeak import StepPeak
 
 log = logging.getLogger("fxmem")
@@ -75,25 +75,25 @@ def _annotations(joint: JointGraph) -> tuple[set[fx.Node], set[fx.Node]]:
     return save, recompute
 
 
-def _recomputable(joint: JointGraph, options: Options, key: dict[fx.Node, str], fences: set[fx.Node],
+def _recomputable(joint: JointGraph, settings: PlanSettings, key: dict[fx.Node, str], fences: set[fx.Node],
                   notes: list[str]) -> set[fx.Node]:
     cheap = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) == CHEAP}
-    if options.level == 0:
+    if settings.level == 0:
         return cheap
     if not key:
-        notes.append(f"level {options.level}: no repeated layers found in the graph; using level 0's plan")
+        notes.append(f"level {settings.level}: no repeated layers found in the graph; using level 0's plan")
         return cheap
     inside = {n for n in key if kind(n) == HEAVY}
-    notes.append(f"level {options.level}: {len(set(key.values()))} layers found; everything inside them is "
+    notes.append(f"level {settings.level}: {len(set(key.values()))} layers found; everything inside them is "
                  "recomputed from their boundary tensors")
     return (cheap | inside) - fences
 
 
-def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx.Node],
+def _apply_rules(settings: PlanSettings, clusters: list[Cluster], recomputable: set[fx.Node],
                  no_save: set[fx.Node], notes: list[str]) -> list[tuple[str, str, int]]:
     applied = []
     ids = sorted({c.id for c in clusters})
-    for rule in options.config:
+    for rule in settings.config:
         matching = [c for c in clusters if c.id == rule.cluster]
         if not matching:
             msg = f"rule {rule}: cluster {rule.cluster!r} matches nothing; clusters in this graph: {', '.join(ids)}"
@@ -112,7 +112,7 @@ def _apply_rules(options: Options, clusters: list[Cluster], recomputable: set[fx
     return applied
 
 
-def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
+def plan(joint: JointGraph, sizes: SymbolicSizes, settings: PlanSettings) -> Plan:
     notes: list[str] = []
     fwd_nodes = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
     root = storage_roots(joint.gm)
@@ -124,13 +124,13 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
     clusters = find_clusters(joint, stashed)
     key = layers(joint)
     fences = boundaries(joint, key)  # layer inputs: recompute chains stop here at level 1 and under a budget
-    recomputable = _recomputable(joint, options, key, fences, notes)
+    recomputable = _recomputable(joint, settings, key, fences, notes)
     no_save: set[fx.Node] = set()
     applied: list[tuple[str, str, int]] = []
-    if options.config and options.level > 0:
-        notes.append(f"level {options.level}: user config ignored (as in ONNX Runtime)")
-    elif options.config:
-        applied = _apply_rules(options, clusters, recomputable, no_save, notes)
+    if settings.config and settings.level > 0:
+        notes.append(f"level {settings.level}: user config ignored (as in ONNX Runtime)")
+    elif settings.config:
+        applied = _apply_rules(settings, clusters, recomputable, no_save, notes)
     must_save, must_recompute = _annotations(joint)
     recomputable = (recomputable | must_recompute) - must_save
     no_save = (no_save | {n for n in must_recompute if not is_multi_output(n)}) - must_save
@@ -149,24 +149,24 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, options: Options) -> Plan:
         notes.append(msg)
         no_save.clear()
         saved = solve(problem(frozenset(recomputable)), lam)
-    budgeted = options.memory_budget is not None or options.peak_budget is not None
-    plain0 = not (options.config or budgeted or must_save or must_recompute)
-    level0 = saved if options.level == 0 and plain0 else solve(
+    budgeted = settings.memory_budget is not None or settings.peak_budget is not None
+    plain0 = not (settings.config or budgeted or must_save or must_recompute)
+    level0 = saved if settings.level == 0 and plain0 else solve(
         CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then
     # (a budget starts from it too: its cap is a fraction of the level's plan, and it may only
     # lower that plan's peak).
-    unruled = not (options.config or must_save or must_recompute)
-    if options.level > 0 and unruled and (peak_of := StepPeak(joint, sizes, options))(saved) >= peak_of(level0):
-        notes.append(f"level {options.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
+    unruled = not (settings.config or must_save or must_recompute)
+    if settings.level > 0 and unruled and (peak_of := StepPeak(joint, sizes, settings))(saved) >= peak_of(level0):
+        notes.append(f"level {settings.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
         saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
     if budgeted:
         heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-        saved, lam, final = within_budget(joint, options, sizes, saved, final | heavy, must_save, problem, notes,
+        saved, lam, final = within_budget(joint, settings, sizes, saved, final | heavy, must_save, problem, notes,
                                           _layerwise(joint, key, fences, must_save, problem))
     kept = {root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
-    return Plan(tuple(saved), options.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
+    return Plan(tuple(saved), settings.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
                 _bytes(stashed, nbytes), _bytes(level0, nbytes))
 

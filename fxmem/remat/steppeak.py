@@ -21,8 +21,8 @@ from ..graph.liveness import _is_element, _taken_early, elements, is_alias, stor
 from ..graph.scratch import scratch_bytes
 from ..graph.sizes import SymbolicSizes, tensor_bytes
 from ..inner import write_candidates
-from ..options import Options
 from .replay import generator_state, wrapped_target
+from .settings import PlanSettings
 from .split import _late_order, handoff
 
 
@@ -30,10 +30,10 @@ class StepPeak:
     """``StepPeak(joint, sizes, options)(saved)``: the simulated step peak (bytes at the plan
     shape) of keeping ``saved``, equal to ``step_peak`` of ``split(joint, saved)``."""
 
-    def __init__(self, joint: JointGraph, sizes: SymbolicSizes, options: Options, names: set[str] | None = None):
+    def __init__(self, joint: JointGraph, sizes: SymbolicSizes, settings: PlanSettings, names: set[str] | None = None):
         self.joint, self.sizes = joint, sizes
         self.names = joint.input_names() if names is None else names
-        self.reuse = options.inner == "eager"
+        self.reuse = settings.target.reuses_buffers
         self.pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
         self.bindings = find_symbol_binding_fx_nodes(joint.gm.graph)
         self._storage = storage_roots(joint.gm)  # a kept view holds its whole storage (liveness.kept_storages)

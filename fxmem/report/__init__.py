@@ -12,10 +12,10 @@ from typing import Any, Callable, Mapping
 from ..compilation import compilations
 from .deep import LayerScaledReport
 from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
-from .publish import graph_peak, publish
+from .publish import lowering_rows, publish
 
 __all__ = ["ClusterRow", "GraphReport", "LayerScaledReport", "LoweringRow", "MemoryReport", "explain",
-           "explain_layers", "graph_peak", "publish", "report"]
+           "explain_layers", "publish", "report"]
 
 
 def report(compiled: Any = None) -> MemoryReport:
@@ -32,7 +32,7 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
     names = _positional_names(compiled)
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
-                        [{"rows": [asdict(r) for r in u.rows()], "notes": u.notes()}
+                        [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
                         [] if comps else _dynamo_unsupported())
 

@@ -13,36 +13,37 @@ import os
 import sys
 from typing import TYPE_CHECKING, Callable
 
-from ..compilation import Compilation, PlannedGraph
+from ..compilation import Compilation
 from ..fallback import stage_failed
-from ..graph.liveness import step_peak
 from ..logs import trace_plan
-from .model import MemoryReport, build, report_json_path
+from ..lowering import PATTERNS
+from .model import LoweringRow, MemoryReport, build, report_json_path
 from .render import lowering_lines, table
 
 if TYPE_CHECKING:
     from ..lowering import Lowering
+    from ..remat.partition import PlannedGraph
 
 log = logging.getLogger("fxmem")
 
 
-def publish(comp: Compilation, planned: list[PlannedGraph], lowered: "Lowering") -> None:
+def publish(comp: Compilation, planned: "list[PlannedGraph]", lowered: "Lowering") -> None:
     """Add ``planned`` (the graphs one compile's partitioner planned) to ``comp`` with their
     reports; ``lowered`` is what pattern lowering did to that compile's graph. A graph compiled
     without a backward has nothing planned: its lowerings are kept on their own."""
     if not planned and (lowered.lowered or lowered.skipped):
         comp.unplanned_lowerings.append(lowered)
-        _guarded(comp, lambda: _show(comp, lambda: "\n".join(["graph without a backward to plan:",
-                                                              *lowering_lines(lowered.rows(), lowered.notes())])))
+        lines = lambda: lowering_lines(lowering_rows(lowered), lowered.notes())  # noqa: E731
+        _guarded(comp, lambda: _show(comp, lambda: "\n".join(["graph without a backward to plan:", *lines()])))
     for graph in planned:
         comp.graphs.append(graph)
         _guarded(comp, lambda graph=graph: _report(comp, graph, len(comp.graphs) - 1, lowered))
 
 
-def _report(comp: Compilation, graph: PlannedGraph, index: int, lowered: "Lowering") -> None:
+def _report(comp: Compilation, graph: "PlannedGraph", index: int, lowered: "Lowering") -> None:
     """Build graph ``index``'s report, file it on ``graph``, show it and write it."""
     rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
-                lowerings=lowered.rows(), lowering_notes=lowered.notes(),
+                lowerings=lowering_rows(lowered), lowering_notes=lowered.notes(),
                 compile_id=str(comp.compile_id or ""), static_dims=comp.static_dims,
                 model_bytes=comp.model_bytes)
     graph.report = rep
@@ -55,18 +56,28 @@ def _report(comp: Compilation, graph: PlannedGraph, index: int, lowered: "Loweri
         log.info("fxmem: wrote the report of graph %d to %s", index, path)
 
 
+def lowering_rows(lowered: "Lowering") -> list[LoweringRow]:
+    """The report's rows for what lowering did to one graph: one per pattern lowered, in table order."""
+    rows = []
+    for p in PATTERNS:
+        occ = [x for x in lowered.lowered if x.pattern == p.name]
+        if not occ:
+            continue
+        known = [x.bytes_saved for x in occ if x.bytes_saved is not None]
+        notes = sorted({x.note for x in occ if x.note})
+        if any(x.per_example for x in occ):
+            notes.append(f"{sum(x.per_example for x in occ)} inside vmap(grad) regions")
+        rows.append(LoweringRow(p.name, len(occ), sum(known) if len(known) == len(occ) else None,
+                                p.replacement, notes))
+    return rows
+
+
 def _guarded(comp: Compilation, step: Callable[[], None]) -> None:
     """Run ``step`` under the failure policy, as the ``report`` stage."""
     try:
         step()
     except Exception as e:  # noqa: BLE001 - the failure policy decides
         stage_failed("report", e, comp.options)
-
-
-def graph_peak(graph: PlannedGraph) -> int:
-    """The predicted step peak of one planned graph at its compiled shape (its report's
-    ``predict_peak()``, from the live schedules: no report built)."""
-    return step_peak(graph.split.fw, graph.split.bw, graph.sizes, graph.primal_names)
 
 
 def _show(comp: Compilation, text: Callable[[], str]) -> None:

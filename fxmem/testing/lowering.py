@@ -1,5 +1,5 @@
 """What a lowering pattern does to the planned step peak, for the tests and studies that justify
-the backend's lowering decisions (``Match.proven``, ``Match.futile``, :func:`fxmem.backend._lower`)."""
+the backend's lowering decisions (``Match.proven``, ``Match.futile``, :func:`fxmem.lowering.decide.decide`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,9 +7,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import backend, lowering
+from .. import lowering
+from ..lowering.decide import trial
 from ..models import Workload
 from ..options import LOWERING_PATTERNS, resolve
+from ..remat.settings import PlanSettings
 
 
 def dynamo_graph(workload: Workload) -> tuple[fx.GraphModule, list[Any]]:
@@ -38,9 +40,10 @@ def planned_peaks(gm: fx.GraphModule, example_inputs: list[Any], pattern: str,
         return resolve({"inner": "eager", "level": level, "lowering": {p: p in on for p in LOWERING_PATTERNS}})
 
     with_opts, without_opts = options((*NORMS, pattern)), options(NORMS)
-    with_gm, lowered = lowering.lower(gm, example_inputs, with_opts)
+    with_gm, lowered = lowering.lower(gm, example_inputs, with_opts.lowering)
     if not any(x.pattern == pattern for x in lowered.lowered):
         return None, None
-    without_gm, _ = lowering.lower(gm, example_inputs, without_opts)
-    trials = [backend._trial(g, example_inputs, o) for g, o in ((with_gm, with_opts), (without_gm, without_opts))]
+    without_gm, _ = lowering.lower(gm, example_inputs, without_opts.lowering)
+    pairs = ((with_gm, with_opts), (without_gm, without_opts))
+    trials = [trial(g, example_inputs, PlanSettings.of(o)) for g, o in pairs]
     return tuple(t.peak if t is not None else None for t in trials)

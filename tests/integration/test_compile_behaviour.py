@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 import fxmem
 import fxmem.backend
+import fxmem.lowering.decide
 import fxmem.version
 from fxmem.models import build
 from fxmem.remat import partition
@@ -143,7 +144,8 @@ def test_cache_key_has_version_source_and_options(monkeypatch):
         made.append(partition.Partitioner(options))
         return made[-1]
 
-    monkeypatch.setattr(fxmem.backend, "Partitioner", spy)
+    for module in (fxmem.backend, fxmem.lowering.decide):  # the compile, the lowering's trial
+        monkeypatch.setattr(module, "Partitioner", spy)
     model = _model()
     _, compiled = _compile(model, EAGER)
     compiled(torch.randn(2, 16)).backward()

@@ -1,0 +1,75 @@
+"""What the planner is asked for, derived once from the options: :class:`PlanSettings` (the level,
+the rules, one budget, strictness, the plan shape) and the :class:`Target` it plans for (the inner
+compiler's memory model, as an object: the planner never reads ``options.inner``).
+
+The backend derives one :class:`PlanSettings` per compile (a per-example chunk graph's without
+budgets: there ``memory_budget`` chooses the microbatch size) and passes it down unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch.fx as fx
+
+from ..inner import reuse_dead_buffers
+from ..options import Options, Rule
+from .fences import for_inductor
+from .split import Split
+
+
+@dataclass(frozen=True)
+class Target:
+    """The inner compiler's memory model. ``reuses_buffers``: elementwise ops write into a dead
+    intermediate (the eager inner compiler's ``reuse_dead_buffers``; Inductor reuses buffers by
+    its own rules): the simulator counts that reuse. :meth:`finish` turns a split into the graphs
+    the inner compiler gets."""
+    name: str
+    reuses_buffers: bool
+
+    def finish(self, split: Split) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The forward and backward graphs for the inner compiler. Eager: the split's own graphs
+        with dead buffers reused in place (what runs is what the report reads). Inductor: the
+        backward copied with its fences (``remat.fences``: recomputation runs where it is needed)."""
+        if self.reuses_buffers:
+            reuse_dead_buffers(split.fw)
+            reuse_dead_buffers(split.bw)
+            return split.fw, split.bw
+        return split.fw, for_inductor(split.bw, {n.name for n in split.recomputed})
+
+
+EAGER = Target("eager", reuses_buffers=True)
+INDUCTOR = Target("inductor", reuses_buffers=False)
+TARGETS = {t.name: t for t in (EAGER, INDUCTOR)}
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The planner's settings (see :class:`fxmem.options.Options` for each)."""
+    level: int = 0
+    config: tuple[Rule, ...] = ()
+    memory_budget: int | float | None = None
+    peak_budget: int | None = None
+    strict: bool = False
+    plan_shape: Mapping[str, tuple[int, ...]] | None = None
+    target: Target = INDUCTOR
+
+    @classmethod
+    def of(cls, options: Options, *, inner: str | None = None, strict: bool | None = None,
+           budgets: bool = True) -> "PlanSettings":
+        """``options``' settings; ``inner``/``strict`` where a stage plans for another target or
+        turns failures into errors (the lowering's comparison); ``budgets=False`` leaves the
+        budgets out (a per-example chunk graph)."""
+        return cls(options.level, options.config, options.memory_budget if budgets else None,
+                   options.peak_budget if budgets else None, options.strict if strict is None else strict,
+                   options.plan_shape, TARGETS[inner or options.inner])
+
+    @property
+    def budgeted(self) -> bool:
+        return self.memory_budget is not None or self.peak_budget is not None
+
+    def key(self) -> str:
+        """A stable string of every setting: goes into Inductor's cache key."""
+        return repr((self.level, self.config, self.memory_budget, self.peak_budget, self.strict,
+                     None if self.plan_shape is None else sorted(self.plan_shape.items()), self.target.name))
