@@ -26,6 +26,7 @@ walk, adds those. Only candidates that no other beats on both bytes and recomput
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch.fx as fx
@@ -47,6 +48,18 @@ SLACK = 1e-4  # simulated peaks this close count as equal (a scalar, a rounding)
 
 class BudgetError(OptionError):
     pass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan a budget may choose: what it keeps, the recompute weight of the cut it came from
+    (reported only), its saved bytes and recompute cost, and its simulated step peak (None until
+    simulated). Every candidate strategy below returns saved sets that become these."""
+    saved: tuple[fx.Node, ...]
+    lam: float
+    nbytes: int
+    cost: float
+    peak: int | None = None
 
 
 def _cost(walk: Walk, p: CutProblem, saved) -> float:
@@ -147,24 +160,25 @@ def _trimmed(walk: Walk, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node,
     return plans
 
 
-def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], float]], anchors: set[tuple]
-            ) -> list[tuple[list[fx.Node], float, int, float]]:
-    """(saved, weight, bytes, recompute cost) of the candidates that no other beats on both bytes
-    and cost, most bytes first; the first candidate (the level's own plan) always. Only these are
-    simulated: a plan with more bytes and more cost than another is never worth its peak. On deep
-    models they are thinned to about ``SIMULATED``, evenly along the bytes, keeping ``anchors``
-    (the frontier's cuts): each simulation walks the whole graph."""
-    def scored(saved, lam):
-        return saved, lam, saved_bytes(p, saved), _cost(walk, p, saved)
+def _candidate(walk: Walk, p: CutProblem, saved, lam: float) -> Candidate:
+    return Candidate(tuple(saved), lam, saved_bytes(p, saved), _cost(walk, p, saved))
 
-    first, *rest = [scored(*c) for c in candidates]
-    kept = []
-    for c in sorted(rest, key=lambda c: (c[2], c[3])):  # fewest bytes first; stable: the first of equals
-        if c[2] < first[2] and (not kept or c[3] < kept[-1][3]):
+
+def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], float]],
+            anchors: set[tuple]) -> list[Candidate]:
+    """The candidates that no other beats on both bytes and cost, most bytes first; the first
+    candidate (the level's own plan) always. Only these are simulated: a plan with more bytes and
+    more cost than another is never worth its peak. On deep models they are thinned to about
+    ``SIMULATED``, evenly along the bytes, keeping ``anchors`` (the frontier's cuts): each
+    simulation walks the whole graph."""
+    first, *rest = [_candidate(walk, p, *c) for c in candidates]
+    kept: list[Candidate] = []
+    for c in sorted(rest, key=lambda c: (c.nbytes, c.cost)):  # fewest bytes first; stable: the first of equals
+        if c.nbytes < first.nbytes and (not kept or c.cost < kept[-1].cost):
             kept.append(c)
     every = -(-len(kept) // SIMULATED)  # ceil: 1 (all kept) up to SIMULATED candidates
-    kept = [c for i, c in enumerate(kept) if i % every == 0 or i == len(kept) - 1 or tuple(c[0]) in anchors]
-    return [first] + sorted(kept, key=lambda c: -c[2])
+    kept = [c for i, c in enumerate(kept) if i % every == 0 or i == len(kept) - 1 or c.saved in anchors]
+    return [first] + sorted(kept, key=lambda c: -c.nbytes)
 
 
 def within_budget(joint: JointGraph, settings: PlanSettings, sizes: SymbolicSizes, saved0: list[fx.Node],
@@ -199,90 +213,93 @@ def within_budget(joint: JointGraph, settings: PlanSettings, sizes: SymbolicSize
     candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
                    for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
     candidates = _pareto(walk, p, candidates, {tuple(c) for c, _ in cuts})
-    known = {tuple(c[0]) for c in candidates}
-    candidates += [(c, LAM_HI, saved_bytes(p, c), _cost(walk, p, c)) for c in layerwise if tuple(c) not in known]
-    scored = [(saved, lam, nbytes, peak_of(saved), cost)
-              for saved, lam, nbytes, cost in candidates]
-    lowest = min(scored, key=lambda c: (c[3], c[2], c[4]))
+    known = {c.saved for c in candidates}
+    candidates += [_candidate(walk, p, c, LAM_HI) for c in layerwise if tuple(c) not in known]
+    scored = [replace(c, peak=peak_of(c.saved)) for c in candidates]
+    lowest = min(scored, key=_least_peak)
     # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
     # plan less a few small values gives caps just below it a plan that peaks about as low.
-    known = {tuple(c[0]) for c in scored}
-    for c in _trimmed(walk, lowest[0], p, pos):
+    known = {c.saved for c in scored}
+    for c in _trimmed(walk, list(lowest.saved), p, pos):
         if tuple(c) not in known:
             known.add(tuple(c))
-            scored.append((c, lowest[1], saved_bytes(p, c), peak_of(c), _cost(walk, p, c)))
-    lowest, least = min(scored, key=lambda c: (c[3], c[2], c[4])), min(c[2] for c in scored)
+            scored.append(replace(_candidate(walk, p, c, lowest.lam), peak=peak_of(c)))
+    lowest, least = min(scored, key=_least_peak), min(c.nbytes for c in scored)
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")
     if settings.peak_budget is not None:
         chosen, what = _cheapest_under(scored, settings.peak_budget), f"peak budget {settings.peak_budget} bytes"
         if chosen is None:
             _unmet(settings, f"option 'peak_budget': {settings.peak_budget!r} bytes is below every plan's simulated "
-                            f"step peak; the least is {lowest[3]} bytes among {how}", lowest, notes)
+                            f"step peak; the least is {lowest.peak} bytes among {how}", lowest, notes)
     else:
         chosen, ceiling = _choose(scored, cap)
         what = f"memory budget {cap} bytes"
         # the fewest bytes a cap is met with: any plan (bytes), or one at the least peak (a fraction)
-        met = least if isinstance(budget, int) else min(c[2] for c in scored if c[3] <= lowest[3] * (1 + SLACK))
+        met = least if isinstance(budget, int) else min(c.nbytes for c in scored if c.peak <= lowest.peak * (1 + SLACK))
         if isinstance(budget, float) and budget == 0.0:
             chosen = lowest
-        elif chosen is None or isinstance(budget, float) and chosen[3] > ceiling * (1 + SLACK):
+        elif chosen is None or isinstance(budget, float) and chosen.peak > ceiling * (1 + SLACK):
             # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
             # peak) only plans that peak higher than a higher fraction's
             _unmet(settings, f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
                             f"the smallest feasible budget is {met} bytes ({met / max(level_bytes, 1):.3f} of "
                             f"level {settings.level}'s {level_bytes}) among {how}"
                             + ("" if chosen is None else
-                               f"; fewer bytes than the least-peak plan's peak higher ({chosen[3]} bytes at the "
-                               f"least against {lowest[3]})"), lowest, notes)
+                               f"; fewer bytes than the least-peak plan's peak higher ({chosen.peak} bytes at the "
+                               f"least against {lowest.peak})"), lowest, notes)
             chosen = None
-        elif chosen[3] > ceiling * (1 + SLACK):  # bytes: a hard cap, met at a higher peak
+        elif chosen.peak > ceiling * (1 + SLACK):  # bytes: a hard cap, met at a higher peak
             msg = (f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is met only by plans that "
-                   f"peak higher than a higher budget's: simulated peak {chosen[3]} bytes against {ceiling} (every "
+                   f"peak higher than a higher budget's: simulated peak {chosen.peak} bytes against {ceiling} (every "
                    f"plan that saves fewer bytes recomputes more values alive at the peak); memory_budget=0.0 or "
                    f"peak_budget asks for the least peak")
             warn(msg)
             notes.append(msg)
     chosen = chosen or lowest
-    saved, lam, nbytes, peak, cost = chosen
-    notes.append(f"{what}: saved {nbytes} bytes (level {settings.level} alone: "
-                 f"{level_bytes}), simulated peak {peak} bytes, recompute cost {cost:.4g}, recompute weight {lam:.3g}; "
+    notes.append(f"{what}: saved {chosen.nbytes} bytes (level {settings.level} alone: {level_bytes}), simulated peak "
+                 f"{chosen.peak} bytes, recompute cost {chosen.cost:.4g}, recompute weight {chosen.lam:.3g}; "
                  f"chosen among {how}")
-    return saved, lam, recomp | walk(saved)
+    return list(chosen.saved), chosen.lam, recomp | walk(chosen.saved)
 
 
-def _unmet(settings: PlanSettings, msg: str, lowest: tuple, notes: list[str]) -> None:
+def _least_peak(c: Candidate) -> tuple:
+    """The plan of least simulated peak, then fewest bytes, then least recompute."""
+    return c.peak, c.nbytes, c.cost
+
+
+def _unmet(settings: PlanSettings, msg: str, lowest: Candidate, notes: list[str]) -> None:
     """A cap no plan meets: :class:`BudgetError` under ``strict``, else one warning (the plan of
     least simulated peak is used)."""
     if settings.strict:
         raise BudgetError(msg)
-    msg += (f"; using the plan of least simulated peak instead: {lowest[2]} bytes saved, simulated peak "
-            f"{lowest[3]} bytes (strict=True raises)")
+    msg += (f"; using the plan of least simulated peak instead: {lowest.nbytes} bytes saved, simulated peak "
+            f"{lowest.peak} bytes (strict=True raises)")
     warn(msg)
     notes.append(msg)
 
 
-def _cheapest_under(scored: list[tuple], peak: int) -> tuple | None:
+def _cheapest_under(scored: list[Candidate], peak: int) -> Candidate | None:
     """The least recompute (then the lowest peak) among the plans whose simulated step peak is at
     most ``peak``; None when none is. Lowering the cap only removes plans, and the plan chosen
     above stays chosen while it fits: a lower cap never gives a higher simulated peak."""
-    fits = [c for c in scored if c[3] <= peak]
-    return min(fits, key=lambda c: (c[4], c[3], -c[2])) if fits else None
+    fits = [c for c in scored if c.peak <= peak]
+    return min(fits, key=lambda c: (c.cost, c.peak, -c.nbytes)) if fits else None
 
 
-def _choose(scored: list[tuple], cap: int) -> tuple[tuple | None, int]:
+def _choose(scored: list[Candidate], cap: int) -> tuple[Candidate | None, int]:
     """(the plan for ``cap`` or None when every candidate saves more, the least peak of the plans
     for higher caps). Walks the candidates' bytes from the most down to the cap: at each, among
     the plans within those bytes, the least recompute (then the most bytes) of those whose
     simulated peak is at most the least peak chosen so far (the level's own plan's at first,
     ``SLACK`` allowed: a scalar more is the same peak); where there is none, the cap is met at the
     least peak among the plans within it, which is higher: the caller warns."""
-    ceiling = scored[0][3]
-    for b in sorted({c[2] for c in scored}, reverse=True):
-        fits = [c for c in scored if c[2] <= b]
-        lower = [c for c in fits if c[3] <= ceiling * (1 + SLACK)]
-        choice = min(lower, key=lambda c: (c[4], -c[2])) if lower else min(fits, key=lambda c: (c[3], c[4]))
+    ceiling = scored[0].peak
+    for b in sorted({c.nbytes for c in scored}, reverse=True):
+        fits = [c for c in scored if c.nbytes <= b]
+        lower = [c for c in fits if c.peak <= ceiling * (1 + SLACK)]
+        choice = min(lower, key=lambda c: (c.cost, -c.nbytes)) if lower else min(fits, key=lambda c: (c.peak, c.cost))
         if b <= cap:
             return choice, ceiling
-        ceiling = min(ceiling, choice[3])
+        ceiling = min(ceiling, choice.peak)
     return None, ceiling
