@@ -92,7 +92,7 @@ class Options:
     # pattern -> bool (patterns not named stay on). On by default for every pattern but dropout
     # (RECOMMENDED_LOWERING: seeded dropout draws other masks than aten's dropout for the same
     # seed); the norms always, the fused loss and SwiGLU/GeGLU by what their sizes say (unless
-    # named), the others only where the plan with them peaks lower (fxmem.backend._lower); under
+    # named), the others only where the plan with them peaks lower (fxmem.lowering.decide); under
     # autocast the fused loss is compared too, and the fused calls cast as autocast would
     # (fxmem/lowering/amp.py).
     lowering: bool | Mapping[str, bool] = field(default_factory=lambda: RECOMMENDED_LOWERING)

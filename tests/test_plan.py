@@ -450,12 +450,12 @@ def test_conv_batchnorm_keeps_gradients_and_running_stats_at_every_level(options
     ("unet", ["down", "mid", "up"]),  # no numbered blocks: the top-level stages
 ])
 def test_layers_are_the_blocks_with_submodules(name, blocks, monkeypatch):
-    import fxmem.remat.plan as plan_module
+    import fxmem.remat.context as context
     from fxmem.testing.zoo import zoo_build
 
     found = []
-    real = plan_module.layers
-    monkeypatch.setattr(plan_module, "layers", lambda joint: found.append(real(joint)) or found[-1])
+    real = context.layers
+    monkeypatch.setattr(context, "layers", lambda joint: found.append(real(joint)) or found[-1])
     w = zoo_build(name)
     torch._dynamo.reset()
     w.loss(torch.compile(w.model, backend="fxmem", options={"inner": "eager", "level": 1})(**w.batch)).backward()

@@ -75,7 +75,7 @@ def test_step_peak_equals_the_split_graphs_peak(case):
     rng, checked = random.Random(0), 0
     for graph, opts in _graphs(make(), **options):
         p = graph.plan.problem
-        fast = StepPeak(p.joint, graph.sizes, PlanSettings.of(opts))
+        fast = StepPeak(p.joint, graph.sizes, PlanSettings.of(opts).target)
         for saved in [list(graph.plan.saved), *_saved_sets(p, rng)]:
             try:
                 want = _reference(p.joint, saved, graph.sizes, opts)

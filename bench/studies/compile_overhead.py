@@ -60,7 +60,7 @@ def fxmem_share() -> list[tuple[str, float]]:
     stats = pstats.Stats(prof).stats
     rows = {}
     for (path, _, fn), (_, _, _, cum, _) in stats.items():
-        if "/fxmem/" in path and fn in {"plan", "split", "publish", "_lower", "make_replayable", "reuse_dead_buffers",
+        if "/fxmem/" in path and fn in {"plan", "split", "publish", "decide", "make_replayable", "reuse_dead_buffers",
                                         "__call__", "fxmem_backend", "compile_joint"}:
             key = f"{Path(path).parent.name}/{Path(path).name}:{fn}"
             rows[key] = max(rows.get(key, 0.0), cum)

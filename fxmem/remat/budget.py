@@ -31,14 +31,12 @@ from typing import Callable
 
 import torch.fx as fx
 
-from ..graph.joint import JointGraph
-from ..graph.sizes import SymbolicSizes
 from ..options import OptionError
 from ..warn import warn
+from .context import PlanContext
 from .mincut import CutProblem, frontier, saved_bytes
 from .settings import PlanSettings
 from .split import Walk
-from .steppeak import StepPeak
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
@@ -181,7 +179,7 @@ def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], flo
     return [first] + sorted(kept, key=lambda c: -c.nbytes)
 
 
-def within_budget(joint: JointGraph, settings: PlanSettings, sizes: SymbolicSizes, saved0: list[fx.Node],
+def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
                   notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
     """(saved set, recompute weight, recomputable set) for ``settings.memory_budget`` or
@@ -199,7 +197,7 @@ def within_budget(joint: JointGraph, settings: PlanSettings, sizes: SymbolicSize
     :func:`_cheapest_under`. An unmet cap gets the plan of least simulated peak with one warning
     (``strict``: :class:`BudgetError`); fraction 0 asks for that plan.
     """
-    recomp, walk, peak_of = recomputable - keep, Walk(joint), StepPeak(joint, sizes, settings)
+    recomp, walk, peak_of, joint = recomputable - keep, ctx.walk, ctx.peak, ctx.joint
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
     budget = settings.memory_budget

@@ -22,6 +22,7 @@ from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..options import Options
 from .compromise import pack_masks
+from .context import PlanContext
 from .plan import Plan, plan
 from .replay import make_replayable
 from .settings import PlanSettings
@@ -59,7 +60,8 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings
 
 class Partitioner(CustomPartitionerFn):
     """AOTAutograd ``partition_fn`` and Inductor ``custom_partitioner_fn`` in one object: joint
-    graph -> sizes -> plan -> split -> the target's graphs, each a stage under the failure policy.
+    graph -> sizes -> the plan's context -> plan -> split -> the target's graphs, each a stage
+    under the failure policy.
 
     One per compile: ``planned`` holds each graph it planned and split, in order; the backend
     builds their reports and files them on the compile's record.
@@ -74,7 +76,7 @@ class Partitioner(CustomPartitionerFn):
         try:
             joint = joint_graph(gm, num_fwd_outputs, settings)
             sizes = SymbolicSizes.of(gm, settings.plan_shape)
-            chosen = plan(joint, sizes, settings)
+            chosen = plan(PlanContext.of(joint, sizes, settings.target), settings)
         except Exception as e:  # noqa: BLE001 - the failure policy decides
             stage_failed("plan", e, settings)
             return self._safe(gm, num_fwd_outputs)

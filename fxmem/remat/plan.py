@@ -10,18 +10,15 @@ import sympy
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..graph.cost import recompute_cost
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
-from ..graph.liveness import storage_roots
-from ..graph.sizes import SymbolicSizes
 from ..warn import warn
 from .allowlist import CHEAP, HEAVY, kind
 from .budget import within_budget
-from .clusters import Cluster, find_clusters
-from .layers import boundaries, every_kth, layers
+from .clusters import Cluster
+from .context import PlanContext
+from .layers import every_kth
 from .mincut import CutProblem, NoPlan, ScaledCut, solve
 from .settings import PlanSettings
-from .steppeak import StepPeak
 
 log = logging.getLogger("fxmem")
 
@@ -75,18 +72,15 @@ def _annotations(joint: JointGraph) -> tuple[set[fx.Node], set[fx.Node]]:
     return save, recompute
 
 
-def _recomputable(joint: JointGraph, settings: PlanSettings, key: dict[fx.Node, str], fences: set[fx.Node],
-                  notes: list[str]) -> set[fx.Node]:
-    cheap = {n for n in joint.gm.graph.nodes if n not in joint.backward and kind(n) == CHEAP}
+def _recomputable(ctx: PlanContext, settings: PlanSettings, notes: list[str]) -> set[fx.Node]:
     if settings.level == 0:
-        return cheap
-    if not key:
+        return set(ctx.cheap)
+    if not ctx.layer:
         notes.append(f"level {settings.level}: no repeated layers found in the graph; using level 0's plan")
-        return cheap
-    inside = {n for n in key if kind(n) == HEAVY}
-    notes.append(f"level {settings.level}: {len(set(key.values()))} layers found; everything inside them is "
+        return set(ctx.cheap)
+    notes.append(f"level {settings.level}: {len(set(ctx.layer.values()))} layers found; everything inside them is "
                  "recomputed from their boundary tensors")
-    return (cheap | inside) - fences
+    return (ctx.cheap | ctx.heavy_inside) - ctx.fences
 
 
 def _apply_rules(settings: PlanSettings, clusters: list[Cluster], recomputable: set[fx.Node],
@@ -112,25 +106,17 @@ def _apply_rules(settings: PlanSettings, clusters: list[Cluster], recomputable: 
     return applied
 
 
-def plan(joint: JointGraph, sizes: SymbolicSizes, settings: PlanSettings) -> Plan:
+def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
+    """The saved set for ``settings`` (level, rules, annotations, budget) on the graph of ``ctx``."""
+    joint, sizes, nbytes, cost = ctx.joint, ctx.sizes, ctx.nbytes, ctx.cost
     notes: list[str] = []
-    fwd_nodes = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
-    root = storage_roots(joint.gm)
-    free = {n for n in fwd_nodes if root[n].op == "placeholder"}  # views of inputs: no new storage
-    # Keeping a view keeps its whole storage (e.g. a query sliced out of a fused qkv projection).
-    nbytes = {n: 0 if n in free else sizes.at(sizes.nbytes(root[n])) for n in fwd_nodes}
-    cost = {n: recompute_cost(n, sizes) for n in fwd_nodes}
-    stashed = joint.default_saved()
-    clusters = find_clusters(joint, stashed)
-    key = layers(joint)
-    fences = boundaries(joint, key)  # layer inputs: recompute chains stop here at level 1 and under a budget
-    recomputable = _recomputable(joint, settings, key, fences, notes)
+    recomputable = _recomputable(ctx, settings, notes)
     no_save: set[fx.Node] = set()
     applied: list[tuple[str, str, int]] = []
     if settings.config and settings.level > 0:
         notes.append(f"level {settings.level}: user config ignored (as in ONNX Runtime)")
     elif settings.config:
-        applied = _apply_rules(settings, clusters, recomputable, no_save, notes)
+        applied = _apply_rules(settings, ctx.clusters, recomputable, no_save, notes)
     must_save, must_recompute = _annotations(joint)
     recomputable = (recomputable | must_recompute) - must_save
     no_save = (no_save | {n for n in must_recompute if not is_multi_output(n)}) - must_save
@@ -149,45 +135,41 @@ def plan(joint: JointGraph, sizes: SymbolicSizes, settings: PlanSettings) -> Pla
         notes.append(msg)
         no_save.clear()
         saved = solve(problem(frozenset(recomputable)), lam)
-    budgeted = settings.memory_budget is not None or settings.peak_budget is not None
-    plain0 = not (settings.config or budgeted or must_save or must_recompute)
+    plain0 = not (settings.config or settings.budgeted or must_save or must_recompute)
     level0 = saved if settings.level == 0 and plain0 else solve(
-        CutProblem(joint, nbytes, cost, frozenset(n for n in fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
+        CutProblem(joint, nbytes, cost, frozenset(n for n in ctx.fwd_nodes if kind(n) == CHEAP)), TIEBREAK)
     # Recompute that does not lower the (simulated) peak is pure cost: keep level 0's plan then
     # (a budget starts from it too: its cap is a fraction of the level's plan, and it may only
     # lower that plan's peak).
     unruled = not (settings.config or must_save or must_recompute)
-    if settings.level > 0 and unruled and (peak_of := StepPeak(joint, sizes, settings))(saved) >= peak_of(level0):
+    if settings.level > 0 and unruled and ctx.peak(saved) >= ctx.peak(level0):
         notes.append(f"level {settings.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
-        saved, final = level0, {n for n in fwd_nodes if kind(n) == CHEAP}
-    if budgeted:
-        heavy = {n for n in (key or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-        saved, lam, final = within_budget(joint, settings, sizes, saved, final | heavy, must_save, problem, notes,
-                                          _layerwise(joint, key, fences, must_save, problem))
-    kept = {root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in free}
+        saved, final = level0, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
+    if settings.budgeted:
+        heavy = {n for n in (ctx.layer or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
+        saved, lam, final = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
+                                          _layerwise(ctx, must_save, problem))
+    kept = {ctx.root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in ctx.free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
-    return Plan(tuple(saved), settings.level, lam, sizes.at(expr), expr, tuple(clusters), tuple(applied),
+    return Plan(tuple(saved), settings.level, lam, sizes.at(expr), expr, tuple(ctx.clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
-                _bytes(stashed, nbytes), _bytes(level0, nbytes))
+                _bytes(ctx.stashed, nbytes), _bytes(level0, nbytes))
 
 
-def _layerwise(joint: JointGraph, key: dict[fx.Node, str], fences: set[fx.Node], must_save: set[fx.Node],
-               problem) -> list[list[fx.Node]]:
+def _layerwise(ctx: PlanContext, must_save: set[fx.Node], problem) -> list[list[fx.Node]]:
     """Layerwise checkpointing plans for the budget's candidates: level 1's (keep every layer
     boundary, recompute everything inside the layers) and, on deeper models, keeping only every
     k-th boundary for k = 2 and k = sqrt(n) (the layers between two kept boundaries are recomputed
     together)."""
-    n = len(set(key.values()))
+    n = len(set(ctx.layer.values()))
     if n == 0:
         return []
-    cheap = {m for m in joint.gm.graph.nodes if m not in joint.backward and kind(m) == CHEAP}
-    inside = {m for m in key if kind(m) == HEAVY}
     plans = []
     for k in sorted({1, 2, math.isqrt(n)} - {0}):
         if k >= n and k > 1:
             continue
-        kept = fences if k == 1 else every_kth(joint, key, fences, k)
-        p = problem(frozenset((cheap | inside | fences) - kept - must_save))
+        kept = ctx.fences if k == 1 else every_kth(ctx.joint, ctx.layer, ctx.fences, k)
+        p = problem(frozenset((ctx.cheap | ctx.heavy_inside | ctx.fences) - kept - must_save))
         found = ScaledCut(p)(TIEBREAK)  # a candidate: a cut within rounding of the cheapest will do
         if found is not None:  # else no finite cut: a rule or tag that asks for the impossible
             plans.append(found[0])

@@ -22,18 +22,18 @@ from ..graph.scratch import scratch_bytes
 from ..graph.sizes import SymbolicSizes, tensor_bytes
 from ..inner import write_candidates
 from .replay import generator_state, wrapped_target
-from .settings import PlanSettings
+from .settings import Target
 from .split import _late_order, handoff
 
 
 class StepPeak:
-    """``StepPeak(joint, sizes, options)(saved)``: the simulated step peak (bytes at the plan
+    """``StepPeak(joint, sizes, target)(saved)``: the simulated step peak (bytes at the plan
     shape) of keeping ``saved``, equal to ``step_peak`` of ``split(joint, saved)``."""
 
-    def __init__(self, joint: JointGraph, sizes: SymbolicSizes, settings: PlanSettings, names: set[str] | None = None):
+    def __init__(self, joint: JointGraph, sizes: SymbolicSizes, target: Target, names: set[str] | None = None):
         self.joint, self.sizes = joint, sizes
         self.names = joint.input_names() if names is None else names
-        self.reuse = settings.target.reuses_buffers
+        self.reuse = target.reuses_buffers
         self.pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
         self.bindings = find_symbol_binding_fx_nodes(joint.gm.graph)
         self._storage = storage_roots(joint.gm)  # a kept view holds its whole storage (liveness.kept_storages)

@@ -125,9 +125,9 @@ def _unoptimized(options: Mapping[str, Any]):
     split and the eager inner compiler: fxmem without its recompute planner."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from ..backend import _lower
     from ..graph.joint import JointGraph
     from ..inner import eager
+    from ..lowering.decide import decide
     from ..options import resolve
     from ..remat.split import split
 
@@ -139,7 +139,7 @@ def _unoptimized(options: Mapping[str, Any]):
         return result.fw, result.bw
 
     def backend(gm, example_inputs):
-        gm = _lower(gm, example_inputs, opts)[0]  # fxmem's own decision: the kept lowerings draw alike
+        gm = decide(gm, example_inputs, opts).gm  # fxmem's own decision: the kept lowerings draw alike
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
 
     return backend

@@ -3,6 +3,7 @@
 import copy
 import logging
 import pickle
+import re
 
 import pytest
 import torch
@@ -191,7 +192,8 @@ STAGES = ("fxmem: compiling", "fxmem per-example", "fxmem lowering", "fxmem plan
           "fxmem compile")
 
 
-def test_debug_log_names_each_stage(caplog):
+def test_debug_log_names_each_stage(caplog, monkeypatch):
+    monkeypatch.setattr(fxmem.backend, "LONG_STAGE_S", float("inf"))  # no stage counts as long, however loaded
     caplog.set_level(logging.DEBUG, logger="fxmem")
     model = _model()
     _, compiled = _compile(model, EAGER)
@@ -206,7 +208,20 @@ def test_debug_log_names_each_stage(caplog):
     assert not [r for r in caplog.records if r.name == "fxmem" and r.levelno > logging.INFO]
 
 
-def test_report_option_logs_table_at_info(caplog):
+def test_a_long_stage_is_logged_at_info_with_its_time(caplog, monkeypatch):
+    monkeypatch.setattr(fxmem.backend, "LONG_STAGE_S", 0.0)  # every stage counts as long
+    caplog.set_level(logging.INFO, logger="fxmem")
+    _, compiled = _compile(_model(), EAGER)
+    compiled(torch.randn(2, 16)).backward()
+    info = [r.getMessage() for r in caplog.records if r.name == "fxmem" and r.levelno == logging.INFO]
+    stages = [m.split(": done in")[0] for m in info if ": done in" in m]
+    assert stages == ["fxmem per-example", "fxmem lowering",
+                      "fxmem compile (AOT trace, plan, split, eager inner compiler)", "fxmem record"], info
+    assert all(re.search(r": done in \d+\.\d s$", m) for m in info if ": done in" in m), info
+
+
+def test_report_option_logs_table_at_info(caplog, monkeypatch):
+    monkeypatch.setattr(fxmem.backend, "LONG_STAGE_S", float("inf"))
     caplog.set_level(logging.INFO, logger="fxmem")
     model = _model()
     _, compiled = _compile(model, {**EAGER, "report": True})
