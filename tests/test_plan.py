@@ -480,3 +480,40 @@ def test_level1_recomputes_a_unets_stages():
         notes = [n for g in fxmem.report(fn).graphs for n in g.notes]
         assert not any("using level 0's plan" in n for n in notes), notes
     assert peaks[1] < 0.95 * peaks[0], peaks
+
+
+class _SharedStack(nn.Module):
+    """One layer applied three times (ALBERT-style shared weights): no numbered blocks to checkpoint."""
+
+    def __init__(self, d=64, hidden=256):
+        super().__init__()
+        self.inp, self.up, self.down, self.out = nn.Linear(d, d), nn.Linear(d, hidden), nn.Linear(hidden, d), \
+            nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(3):
+            h = h + self.down(F.gelu(self.up(h)))
+        return self.out(h).square().mean()
+
+
+def test_level1_without_layers_to_checkpoint_takes_the_least_peak_plan_not_level0s():
+    """Where level 1's own plan does not lower the peak, it takes the plan of least simulated peak
+    among the budget's candidates: below level 0 wherever ``memory_budget=0.0`` is, and within 2%
+    of that budget's measured peak (issue #42)."""
+    from fxmem.profiling import step_perf
+
+    torch.manual_seed(0)
+    model, x = _SharedStack(), torch.randn(512, 64)
+    peaks, notes = {}, {}
+    for name, options in {"L0": {}, "L1": {"level": 1}, "budget0": {"level": 1, "memory_budget": 0.0}}.items():
+        torch._dynamo.reset()
+        fn = torch.compile(copy.deepcopy(model), backend="fxmem", options={"inner": "eager", **options})
+        for _ in range(2):
+            with step_perf("cpu") as perf:
+                fn(x).backward()
+        peaks[name] = perf.result.peak_bytes
+        notes[name] = [n for g in fxmem.report(fn).graphs for n in g.notes]
+    assert peaks["budget0"] < peaks["L0"], peaks  # the model has recompute that lowers the peak
+    assert peaks["L1"] < peaks["L0"] and peaks["L1"] <= 1.02 * peaks["budget0"], peaks
+    assert any("using the plan of least simulated peak" in n for n in notes["L1"]), notes["L1"]

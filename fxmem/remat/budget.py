@@ -179,11 +179,59 @@ def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], flo
     return [first] + sorted(kept, key=lambda c: -c.nbytes)
 
 
+def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p: CutProblem,
+               layerwise: list[list[fx.Node]] = ()) -> tuple[list[Candidate], str]:
+    """Every candidate strategy's plans, each with its bytes, recompute cost and simulated peak:
+    the level's own plan ``saved0`` first, the frontier's cuts (``p``, recomputing ``recomp``)
+    with fewer bytes, the steps between neighbouring cuts (:func:`_between`), the greedy mixes
+    (:func:`_greedy`), thinned to those no other beats on bytes and recompute (:func:`_pareto`),
+    the ``layerwise`` checkpoints, and the least peak's plan less a few small values
+    (:func:`_trimmed`). Also how to name them in notes."""
+    walk, peak_of, joint = ctx.walk, ctx.peak, ctx.joint
+    level_bytes = saved_bytes(p, saved0)
+    cuts = [(saved0, LAM_HI)] + [c for c in frontier(p, LAM_LO, LAM_HI) if saved_bytes(p, c[0]) < level_bytes]
+    pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    plans = [cuts[0]]
+    for (more, _), (fewer, lam) in zip(cuts, cuts[1:]):
+        plans += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
+    # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
+    plans += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
+              for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
+    found = _pareto(walk, p, plans, {tuple(c) for c, _ in cuts})
+    known = {c.saved for c in found}
+    found += [_candidate(walk, p, c, LAM_HI) for c in layerwise if tuple(c) not in known]
+    scored = [replace(c, peak=peak_of(c.saved)) for c in found]
+    lowest = min(scored, key=_least_peak)
+    # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
+    # plan less a few small values gives caps just below it a plan that peaks about as low.
+    known = {c.saved for c in scored}
+    for c in _trimmed(walk, list(lowest.saved), p, pos):
+        if tuple(c) not in known:
+            known.add(tuple(c))
+            scored.append(replace(_candidate(walk, p, c, lowest.lam), peak=peak_of(c)))
+    how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
+           "on bytes and recompute, and layerwise checkpoints)")
+    return scored, how
+
+
+def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Node], keep: set[fx.Node],
+               problem: Callable[[frozenset], CutProblem], layerwise: list[list[fx.Node]] = ()
+               ) -> tuple[Candidate, Candidate, str, set[fx.Node]]:
+    """A level's plan where its own does not lower the peak: among the :func:`candidates`, the
+    least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
+    recompute that lowers nothing is not paid for. Returns (that plan, ``saved0``'s candidate,
+    how the candidates are named, the recomputable set)."""
+    recomp = recomputable - keep
+    scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
+    chosen = _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)))
+    return chosen, scored[0], how, recomp | ctx.walk(chosen.saved)
+
+
 def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
                   notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
     """(saved set, recompute weight, recomputable set) for ``settings.memory_budget`` or
-    ``settings.peak_budget``; never refused.
+    ``settings.peak_budget``, chosen among the :func:`candidates`; never refused.
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
     vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
@@ -197,34 +245,13 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
     :func:`_cheapest_under`. An unmet cap gets the plan of least simulated peak with one warning
     (``strict``: :class:`BudgetError`); fraction 0 asks for that plan.
     """
-    recomp, walk, peak_of, joint = recomputable - keep, ctx.walk, ctx.peak, ctx.joint
+    recomp = recomputable - keep
     p = problem(frozenset(recomp))
     level_bytes = saved_bytes(p, saved0)
     budget = settings.memory_budget
     cap = int(budget * level_bytes) if isinstance(budget, float) else budget
-    cuts = [(saved0, LAM_HI)] + [c for c in frontier(p, LAM_LO, LAM_HI) if saved_bytes(p, c[0]) < level_bytes]
-    pos = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
-    candidates = [cuts[0]]
-    for (more, _), (fewer, lam) in zip(cuts, cuts[1:]):
-        candidates += [(c, lam) for c in _between(more, fewer, pos, p.nbytes)] + [(fewer, lam)]
-    # A greedy plan's weight (reported only) is that of the cut just above it in bytes.
-    candidates += [(c, min((lam for cut, lam in cuts if saved_bytes(p, cut) >= saved_bytes(p, c)), default=LAM_HI))
-                   for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
-    candidates = _pareto(walk, p, candidates, {tuple(c) for c, _ in cuts})
-    known = {c.saved for c in candidates}
-    candidates += [_candidate(walk, p, c, LAM_HI) for c in layerwise if tuple(c) not in known]
-    scored = [replace(c, peak=peak_of(c.saved)) for c in candidates]
-    lowest = min(scored, key=_least_peak)
-    # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
-    # plan less a few small values gives caps just below it a plan that peaks about as low.
-    known = {c.saved for c in scored}
-    for c in _trimmed(walk, list(lowest.saved), p, pos):
-        if tuple(c) not in known:
-            known.add(tuple(c))
-            scored.append(replace(_candidate(walk, p, c, lowest.lam), peak=peak_of(c)))
+    scored, how = candidates(ctx, saved0, recomp, p, layerwise)
     lowest, least = min(scored, key=_least_peak), min(c.nbytes for c in scored)
-    how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
-           "on bytes and recompute, and layerwise checkpoints)")
     if settings.peak_budget is not None:
         chosen, what = _cheapest_under(scored, settings.peak_budget), f"peak budget {settings.peak_budget} bytes"
         if chosen is None:
@@ -258,7 +285,7 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
     notes.append(f"{what}: saved {chosen.nbytes} bytes (level {settings.level} alone: {level_bytes}), simulated peak "
                  f"{chosen.peak} bytes, recompute cost {chosen.cost:.4g}, recompute weight {chosen.lam:.3g}; "
                  f"chosen among {how}")
-    return list(chosen.saved), chosen.lam, recomp | walk(chosen.saved)
+    return list(chosen.saved), chosen.lam, recomp | ctx.walk(chosen.saved)
 
 
 def _least_peak(c: Candidate) -> tuple:

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..warn import warn
 from .allowlist import CHEAP, HEAVY, kind
-from .budget import within_budget
+from .budget import least_peak, within_budget
 from .clusters import Cluster
 from .context import PlanContext
 from .layers import every_kth
@@ -76,7 +76,6 @@ def _recomputable(ctx: PlanContext, settings: PlanSettings, notes: list[str]) ->
     if settings.level == 0:
         return set(ctx.cheap)
     if not ctx.layer:
-        notes.append(f"level {settings.level}: no repeated layers found in the graph; using level 0's plan")
         return set(ctx.cheap)
     notes.append(f"level {settings.level}: {len(set(ctx.layer.values()))} layers found; everything inside them is "
                  "recomputed from their boundary tensors")
@@ -142,11 +141,14 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
     # (a budget starts from it too: its cap is a fraction of the level's plan, and it may only
     # lower that plan's peak).
     unruled = not (settings.config or must_save or must_recompute)
-    if settings.level > 0 and unruled and ctx.peak(saved) >= ctx.peak(level0):
-        notes.append(f"level {settings.level}: its plan's simulated peak is not below level 0's; using level 0's plan")
+    heavy = {n for n in (ctx.layer or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
+    if settings.level > 0 and unruled and (not ctx.layer or ctx.peak(saved) >= ctx.peak(level0)):
+        why = "no repeated layers found in the graph" if not ctx.layer else \
+            "its plan's simulated peak is not below level 0's"
         saved, final = level0, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
+        if not settings.budgeted:  # (a budget starts from level 0's plan and chooses below)
+            saved, lam, final = _least_peak(ctx, settings, why, level0, final | heavy, must_save, problem, notes)
     if settings.budgeted:
-        heavy = {n for n in (ctx.layer or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
         saved, lam, final = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
                                           _layerwise(ctx, must_save, problem))
     kept = {ctx.root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in ctx.free}
@@ -154,6 +156,23 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
     return Plan(tuple(saved), settings.level, lam, sizes.at(expr), expr, tuple(ctx.clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
                 _bytes(ctx.stashed, nbytes), _bytes(level0, nbytes))
+
+
+def _least_peak(ctx: PlanContext, settings: PlanSettings, why: str, level0: list[fx.Node],
+                recomputable: set[fx.Node], must_save: set[fx.Node], problem,
+                notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
+    """A level whose own plan does not lower the peak (or that finds no layers) takes the plan of
+    least simulated peak among the budget's candidates (as ``memory_budget=0.0`` would, but the
+    least recompute at that peak): level 0's where nothing peaks lower."""
+    chosen, first, how, final = least_peak(ctx, level0, recomputable, must_save, problem,
+                                           _layerwise(ctx, must_save, problem))
+    if chosen.saved == first.saved or chosen.peak >= first.peak:
+        notes.append(f"level {settings.level}: {why}; using level 0's plan (no plan among {how} peaks lower)")
+        return level0, TIEBREAK, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
+    notes.append(f"level {settings.level}: {why}; using the plan of least simulated peak among {how}: saved "
+                 f"{chosen.nbytes} bytes, simulated peak {chosen.peak} bytes (level 0's plan: {first.nbytes} bytes, "
+                 f"{first.peak})")
+    return list(chosen.saved), chosen.lam, final
 
 
 def _layerwise(ctx: PlanContext, must_save: set[fx.Node], problem) -> list[list[fx.Node]]:
