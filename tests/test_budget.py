@@ -200,6 +200,7 @@ def test_the_exact_solver_agrees_on_the_chain_and_bounds_fxmem_on_a_model():
         assert best <= ours * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_peak_budget_takes_the_cheapest_plan_that_fits_and_warns_when_none_does():
     """peak_budget at 0.8x level 0's measured peak: measured within the cap (+3%), with more
     recompute than level 0; at 1 byte: one warning naming the least reachable peak, that plan used

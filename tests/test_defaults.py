@@ -160,6 +160,7 @@ def test_lowering_never_raises_the_measured_peak_of_a_tied_llama():
         assert on <= off, (seq, on, off, [r.pattern for r in report.lowerings])
 
 
+@pytest.mark.slow
 def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says_so(monkeypatch):
     """Where the plan with every match would not peak lower than the plan with the proven ones
     alone (forced here: the planner's estimate of the first is doubled), the unproven matches
@@ -202,6 +203,7 @@ def test_proven_matches_alone_are_applied_without_comparing_plans(monkeypatch):
     assert {r.pattern for r in report.lowerings} == {"rms_norm"}
 
 
+@pytest.mark.slow
 def test_default_lowering_decides_the_loss_and_swiglu_without_comparing_plans(monkeypatch):
     """Default options: the fused loss at a logits-to-gradients ratio from ``CE_PROVEN_FROM`` on
     is applied and SwiGLU (it never changed the planned peak) left alone, both without a

@@ -18,6 +18,7 @@ from fxmem.testing.lowering import dynamo_graph, planned_peaks
 MODELS = ["gpt2", "llama", "llama_tied", "mistral", "gemma2", "t5", "bart", "roberta", "vit", "whisper"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_proven_lowerings_never_raise_the_planned_peak(name):
     gm, inputs = dynamo_graph(getattr(zoo, name)())

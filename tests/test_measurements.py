@@ -106,6 +106,7 @@ def _predicted_peak(model, x):
     return graph.predict_peak()
 
 
+@pytest.mark.slow
 def test_a_corrupt_cache_never_fails_a_compile_nor_changes_its_prediction(cache):
     """Measured once into a fresh cache; then with a cache of the wrong type (a list: it failed
     every compile) and with absurd entries (negative, 1e308): the same compile succeeds with the

@@ -462,6 +462,7 @@ def test_layers_are_the_blocks_with_submodules(name, blocks, monkeypatch):
     assert sorted(set(found[-1].values())) == blocks
 
 
+@pytest.mark.slow
 def test_level1_recomputes_a_unets_stages():
     """A UNet whose activations make the peak: level 1 recomputes inside its stages (it used to
     find every conv, norm and ReLU a layer of its own, and fell back to level 0's plan)."""
@@ -497,6 +498,7 @@ class _SharedStack(nn.Module):
         return self.out(h).square().mean()
 
 
+@pytest.mark.slow
 def test_level1_without_layers_to_checkpoint_takes_the_least_peak_plan_not_level0s():
     """Where level 1's own plan does not lower the peak, it takes the plan of least simulated peak
     among the budget's candidates: below level 0 wherever ``memory_budget=0.0`` is, and within 2%
