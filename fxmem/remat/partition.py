@@ -14,8 +14,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..compilation import PlannedGraph
 from ..fallback import stage_failed
 from ..graph.joint import JointGraph
+from ..graph.reuse import reuse_dead_buffers
 from ..graph.sizes import SymbolicSizes
-from ..inner import reuse_dead_buffers
 from ..options import Options
 from .compromise import pack_masks
 from .fences import for_inductor
