@@ -13,69 +13,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph.inplace import COMMUTATIVE, INPLACE, INTO_FIRST
-from .graph.liveness import last_reads, storage_roots
+from .graph.reuse import reuse_dead_buffers
 
 aten = torch.ops.aten
 CONTROL_DEPS = "torch.ops.higher_order.control_deps"  # the name Inductor's cacheable() looks up
-
-def _fresh_contiguous(val, like) -> bool:
-    return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.shape == like.shape
-            and val.dtype == like.dtype and val.is_contiguous() and like.is_contiguous())
-
-
-def write_candidates(n: fx.Node) -> list[tuple[fx.Node, Any]]:
-    """``(a, b)``: an argument ``n`` may write its result into and the operand beside it, in the
-    order :func:`reuse_dead_buffers` tries them, where shapes, dtypes and layouts allow (whether
-    ``a``'s storage dies at ``n`` is the graph's to say)."""
-    pairs = []
-    if n.op == "call_function" and n.target in INTO_FIRST:
-        pairs = [(n.args[0], n.args[1])]
-    elif n.op == "call_function" and n.target in INPLACE and len(n.args) == 2:
-        a, b = n.args
-        pairs = [(a, b)] + ([(b, a)] if n.target in COMMUTATIVE and not n.kwargs else [])  # x + y == y + x, bitwise
-    return [(a, b) for a, b in pairs
-            if isinstance(a, fx.Node) and _fresh_contiguous(n.meta.get("val"), a.meta.get("val"))
-            and (isinstance(b, (int, float)) or _broadcasts_to(b, a))]
-
-
-def reuse_dead_buffers(gm: fx.GraphModule) -> int:
-    """Turn ``c = op(a, b)`` into ``c = op_(a, b)`` where ``a``'s storage dies at this node.
-
-    ``a``'s storage must have been allocated by this graph (not an input: the caller may hold
-    it), every node viewing that storage must be read no later than here, and ``c`` must have
-    ``a``'s shape, dtype and contiguous layout. Returns how many ops were rewritten.
-    """
-    nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    root = storage_roots(gm)
-    last_use = last_reads(gm, root)
-    rewritten = 0
-    for n in nodes:
-        for a, b in write_candidates(n):
-            r = root[a]
-            if r.op == "call_function" and last_use[r] == pos[n] and not (isinstance(b, fx.Node) and root[b] is r):
-                if n.target in INTO_FIRST:
-                    n.target = INTO_FIRST[n.target]
-                else:
-                    n.target, n.args = INPLACE[n.target], (a, b)
-                rewritten += 1
-                break
-    if rewritten:
-        gm.recompile()
-    return rewritten
-
-
-def _broadcasts_to(b, a: fx.Node) -> bool:
-    if not isinstance(b, fx.Node):
-        return False
-    vb, va = b.meta.get("val"), a.meta.get("val")
-    if not isinstance(vb, torch.Tensor):
-        return False
-    try:
-        return torch.broadcast_shapes(vb.shape, va.shape) == va.shape
-    except RuntimeError:
-        return False
 
 
 def tolerant_views(gm: fx.GraphModule) -> int:

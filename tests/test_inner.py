@@ -2,8 +2,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxmem.graph.liveness import simulate
+from fxmem.graph.reuse import reuse_dead_buffers
 from fxmem.graph.sizes import SymbolicSizes
-from fxmem.inner import reuse_dead_buffers
 
 aten = torch.ops.aten
 

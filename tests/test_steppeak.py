@@ -12,7 +12,7 @@ import torch
 
 import fxmem
 from fxmem.graph.liveness import step_peak
-from fxmem.inner import reuse_dead_buffers
+from fxmem.graph.reuse import reuse_dead_buffers
 from fxmem.models import build
 from fxmem.remat.allowlist import HEAVY, kind
 from fxmem.remat.mincut import CutProblem, frontier

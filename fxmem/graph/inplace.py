@@ -1,6 +1,6 @@
 """In-place forms of out-of-place ops: what the eager inner compiler may rewrite a node into.
 
-Kept apart from the rewrite itself (``fxmem.inner.reuse_dead_buffers``) because liveness reads
+Kept apart from the rewrite itself (``fxmem.graph.reuse``) because liveness reads
 :data:`WRITES_INTO_FIRST` too: a call that writes into its first argument allocates nothing.
 """
 

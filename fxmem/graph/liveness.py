@@ -1,20 +1,29 @@
-"""Liveness: a graph's allocations in order, as a schedule of byte formulas, and its peak.
+"""Liveness: a graph's allocations and frees in order, and their peak: fxmem's one step simulator.
 
-Every op that is not a view, a getitem or an in-place write allocates its output; a storage is
-freed after the last read of any node aliasing it (boxed graphs free their inputs the same way).
-Ops with known internal buffers (:mod:`.scratch`) allocate and free them where they run.
-Graph outputs stay alive. The schedule holds formulas, so one schedule gives the peak at any shape.
+:func:`walk` is the simulator. It takes one graph as node lists (its inputs and which of them are
+counted, its body in execution order, its outputs), the storage its kept views share, the eager
+inner compiler's buffer reuse and the random states bound to their ops, and returns the
+allocations and frees in order. Every op that is not a view, a getitem or an in-place write
+allocates its output; a storage is freed after the last read of any node aliasing it (boxed
+graphs free their inputs the same way); ops with known internal buffers (:mod:`.scratch`)
+allocate and free them where they run; graph outputs stay alive. The bytes are a parameter:
+formulas of the input sizes (:class:`Formulas`: one schedule gives the peak at every shape, for
+the report and ``predict_peak``) or integers at the plan shape (:class:`AtShape`: the planner
+walks a hundred saved sets of one joint graph). :func:`peak_bytes` and :func:`peak` walk the
+result. Two adapters feed it: :func:`schedule` (a graph module: the split's forward and backward)
+and ``remat.steppeak.StepPeak`` (the node lists the split would build, read off the joint graph).
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
+from torch._prims.rng_prims import run_with_rng_state
 
 from .inplace import WRITES_INTO_FIRST
 from .scratch import scratch_bytes
@@ -33,13 +42,22 @@ def is_alias(node: fx.Node) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
-def _is_element(node: fx.Node) -> bool:
+def is_element(node: fx.Node) -> bool:
     """One output of an op that returns several (``native_layer_norm``'s mean, a replayed
     dropout's mask): its own storage, unlike an element of a view-returning op (``split``)."""
     if node.target is not operator.getitem or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     src = node.args[0]
-    return isinstance(src.meta.get("val"), (tuple, list)) and (not is_alias(src) or _is_element(src))
+    return isinstance(src.meta.get("val"), (tuple, list)) and (not is_alias(src) or is_element(src))
+
+
+def alias_source(n: fx.Node) -> fx.Node | None:
+    """The node whose storage ``n`` shares (its first argument, for a view, a getitem of a view's
+    outputs or an in-place op), else None: ``n`` owns its storage."""
+    a = n.args[0] if n.args else None
+    if n.op == "call_function" and isinstance(a, fx.Node) and is_alias(n) and not is_element(n):
+        return a
+    return None
 
 
 def storage_roots(gm: fx.GraphModule, shared: Mapping[fx.Node, fx.Node] | None = None) -> dict[fx.Node, fx.Node]:
@@ -49,9 +67,8 @@ def storage_roots(gm: fx.GraphModule, shared: Mapping[fx.Node, fx.Node] | None =
     for n in gm.graph.nodes:
         if n in root:
             continue
-        aliases = (n.op == "call_function" and is_alias(n) and n.args and isinstance(n.args[0], fx.Node)
-                   and not _is_element(n))
-        root[n] = root.get(n.args[0], n.args[0]) if aliases else n
+        a = alias_source(n)
+        root[n] = root.get(a, a) if a is not None else n
     return root
 
 
@@ -68,18 +85,9 @@ def elements(n: fx.Node) -> list[fx.Node]:
     return list(first.values())
 
 
-def _taken_early(n: fx.Node) -> bool:
+def taken_early(n: fx.Node) -> bool:
     """A getitem among ``elements`` of its op (allocated there)."""
-    return _is_element(n) and not is_alias(n.args[0])
-
-
-def _allocated(n: fx.Node, sizes: SymbolicSizes) -> sympy.Expr:
-    """Bytes ``n`` allocates; of a tuple, the outputs no getitem takes (the others are their own)."""
-    val = n.meta.get("val")
-    if not isinstance(val, (tuple, list)):
-        return sizes.nbytes(n)
-    taken = {u.args[1] for u in n.users if u.target is operator.getitem}
-    return sympy.Add(*[tensor_bytes(v) for i, v in enumerate(val) if i not in taken], sympy.Integer(0))
+    return is_element(n) and not is_alias(n.args[0])
 
 
 def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node, int]:
@@ -92,48 +100,165 @@ def last_reads(gm: fx.GraphModule, root: dict[fx.Node, fx.Node]) -> dict[fx.Node
     return last
 
 
-def tuple_held(gm: fx.GraphModule, last: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    """``last`` with each output of an op returning several freed no earlier than the op's last
-    getitem: the tuple holds every output until then (a recomputed norm's ``(y, rstd)``, whose
-    ``rstd`` getitem the backward takes late, keeps ``y`` alive)."""
-    out = dict(last)
-    for n in gm.graph.nodes:
-        if n in last:
-            for u in elements(n):
-                out[u] = max(out.get(u, -1), last[n])
-    return out
+class NodeFacts:
+    """What :func:`walk` reads of each node of one graph, computed once: a planner walks the
+    nodes of one joint graph for many saved sets."""
+
+    def __init__(self, nodes: Iterable[fx.Node]):
+        nodes = list(nodes)
+        self.reads = {n: n.all_input_nodes for n in nodes}
+        self.source = {n: alias_source(n) for n in nodes}
+        self.early = {n for n in nodes if taken_early(n)}
+        self.several = {n for n in nodes if isinstance(n.meta.get("val"), (tuple, list))}
+        # an op returning several -> every getitem of its outputs (each owns its storage)
+        self.getitems = {n: [u for u in n.users if u.target is operator.getitem] for n in nodes if elements(n)}
+        self.replays = {n for n in nodes if n.op == "call_function" and n.target is run_with_rng_state}
+
+
+class Formulas:
+    """Bytes as formulas of the input sizes: a schedule that holds at every shape."""
+
+    def __init__(self, sizes: SymbolicSizes):
+        self.sizes = sizes
+
+    def value(self, n: fx.Node) -> sympy.Expr:
+        return self.sizes.nbytes(n)
+
+    def outputs(self, n: fx.Node, skip: Collection[int]) -> sympy.Expr:
+        """The outputs of ``n``, an op returning several, whose index is not in ``skip``."""
+        return sympy.Add(*[tensor_bytes(v) for i, v in enumerate(n.meta["val"]) if i not in skip], sympy.Integer(0))
+
+    def scratch(self, n: fx.Node) -> sympy.Expr:
+        return scratch_bytes(n)
+
+
+class AtShape:
+    """Bytes at the plan shape, integers, each computed once per node (many walks, one graph)."""
+
+    def __init__(self, sizes: SymbolicSizes):
+        self.sizes, self._at = sizes, {}
+
+    def _get(self, key, expr: Callable[[], sympy.Expr]) -> int:
+        if key not in self._at:
+            self._at[key] = self.sizes.at(expr())
+        return self._at[key]
+
+    def value(self, n: fx.Node) -> int:
+        return self._get(n, lambda: self.sizes.nbytes(n))
+
+    def outputs(self, n: fx.Node, skip: Collection[int]) -> int:
+        return sum(self._get((n, i), lambda v=v: tensor_bytes(v)) for i, v in enumerate(n.meta["val"])
+                   if i not in skip)
+
+    def scratch(self, n: fx.Node) -> int:
+        return self._get((n, "scratch"), lambda: scratch_bytes(n))
 
 
 Event = tuple[str, str, sympy.Expr]  # ("alloc", name, bytes) or ("free", name, bytes)
+Reuse = Callable[[list, dict, dict, dict, set], Mapping[fx.Node, tuple]]
+
+
+def walk(inputs: Sequence[fx.Node], body: Sequence[fx.Node], outputs: Iterable, nbytes: Formulas | AtShape,
+         facts: NodeFacts, *, counted: Collection[fx.Node] = (),
+         shared: Mapping[fx.Node, tuple[fx.Node, fx.Node]] | None = None, reuse: Reuse | None = None,
+         states: Collection[fx.Node] = ()) -> list[Event]:
+    """A graph's allocations and frees in execution order.
+
+    ``inputs``: what exists when the graph starts; ``counted`` ones are allocated then (the
+    others, e.g. parameters, exist before the graph and outlive it). ``body``: the nodes the
+    graph runs, in order; ``outputs``: what it returns (alive to the end). ``shared``: input ->
+    (the first input sharing its storage, the node owning that storage): a kept view holds its
+    whole storage, once however many views of it are kept. ``reuse``: the inner compiler's
+    buffer reuse, ``(body, root, last, pos, ran) -> {node: (argument it writes into, ...)}``
+    (``graph.reuse.dead_writes``). ``states``: generator states bound to their random op (the
+    forward's ``run_and_save_rng_state``): drawn at the op, after its dead inputs are freed.
+    """
+    shared = shared or {}
+    ran = set(body)
+    pos = {n: i for i, n in enumerate([*inputs, *body])}
+    end = len(pos)
+    outputs = [o for o in outputs if isinstance(o, fx.Node)]
+    reads = facts.reads
+
+    def roots_and_last(source: Callable[[fx.Node], fx.Node | None]) -> tuple[dict, dict]:
+        root = {n: shared[n][0] if n in shared else n for n in inputs}
+        for n in body:
+            a = source(n)
+            root[n] = root.get(a, a) if a is not None else n
+        last: dict = {}
+        for n in body:
+            p = pos[n]
+            for a in reads[n]:
+                r = root.get(a)
+                if r is not None:  # not a state bound to its op (no longer read)
+                    last[r] = p
+        for o in outputs:
+            if o in root:
+                last[root[o]] = end
+        return root, last
+
+    root, last = roots_and_last(facts.source.__getitem__)
+    written = reuse(body, root, last, pos, ran) if reuse is not None else None
+    if written:
+        root, last = roots_and_last(lambda n: written[n][0] if n in written else facts.source[n])
+    for n, getitems in facts.getitems.items():  # a tuple holds every output until its last getitem
+        if n in last:  # (a recomputed norm's ``(y, rstd)``, whose ``rstd`` the backward takes late)
+            for u in getitems:
+                if u in ran:
+                    last[u] = max(last.get(u, -1), last[n])
+    events: list[Event] = []
+    frees: dict[int, list] = {}
+
+    def allocate(name: str, b, at: int) -> None:
+        events.append(("alloc", name, b))
+        frees.setdefault(at, []).append((name, b))
+
+    def free(p: int) -> None:
+        for name, b in frees.pop(p, ()):
+            events.append(("free", name, b))
+
+    for n in inputs:
+        if n in counted and root[n] is n:
+            allocate(n.name, nbytes.value(shared[n][1] if n in shared else n), last.get(n, pos[n]))
+        free(pos[n])
+    for n in body:
+        p = pos[n]
+        if n in facts.replays and n.args[0] in states:  # the op hands out its state: drawn after
+            free(p)  # its dead inputs are freed, alive to the end
+            allocate(n.args[0].name, nbytes.value(n.args[0]), end)
+        if n.op != "call_function":
+            free(p)
+            continue
+        if root[n] is n and n not in facts.early:
+            if n in facts.several:  # an op returning several: the getitems own their outputs
+                taken = {}
+                for u in facts.getitems.get(n, ()):
+                    if u in ran:
+                        taken.setdefault(u.args[1], u)
+                allocate(n.name, nbytes.outputs(n, taken), last.get(n, p))
+                for u in taken.values():
+                    allocate(u.name, nbytes.value(u), last.get(u, p))
+            else:
+                allocate(n.name, nbytes.value(n), last.get(n, p))
+        extra = nbytes.scratch(n)
+        if extra != 0:  # the op's own buffers, freed before it returns
+            events += [("alloc", f"{n.name}.scratch", extra), ("free", f"{n.name}.scratch", extra)]
+        free(p)
+    free(end)
+    return events
 
 
 def schedule(gm: fx.GraphModule, sizes: SymbolicSizes, counted: Callable[[fx.Node], bool] = lambda n: True,
-             storages: Mapping[fx.Node, tuple[fx.Node, sympy.Expr]] | None = None) -> list[Event]:
-    """Allocations and frees in execution order. Placeholders for which ``counted`` is false are
-    not counted (they exist before the graph runs and outlive it, e.g. parameters). ``storages``:
-    placeholder -> (the placeholder whose storage it shares, that storage's bytes)."""
-    storages = storages or {}
+             storages: Mapping[fx.Node, tuple[fx.Node, fx.Node]] | None = None) -> list[Event]:
+    """:func:`walk` over a graph module, bytes as formulas. Placeholders for which ``counted`` is
+    false are not counted (they exist before the graph runs and outlive it, e.g. parameters).
+    ``storages``: placeholder -> (the placeholder whose storage it shares, the node owning that
+    storage)."""
     nodes = list(gm.graph.nodes)
-    root = storage_roots(gm, {p: q for p, (q, _) in storages.items()})
-    last = tuple_held(gm, last_reads(gm, root))
-    events: list[Event] = []
-    live: dict[fx.Node, sympy.Expr] = {}
-    for i, n in enumerate(nodes):
-        if n.op == "placeholder" and counted(n) and root[n] is n:
-            live[n] = storages[n][1] if n in storages else sizes.nbytes(n)
-            events.append(("alloc", n.name, live[n]))
-        elif n.op == "call_function" and root[n] is n and not _taken_early(n):
-            live[n] = _allocated(n, sizes)
-            events.append(("alloc", n.name, live[n]))
-            for u in elements(n):
-                live[u] = sizes.nbytes(u)
-                events.append(("alloc", u.name, live[u]))
-        extra = scratch_bytes(n) if n.op == "call_function" else 0
-        if extra != 0:  # the op's own buffers, freed before it returns
-            events += [("alloc", f"{n.name}.scratch", extra), ("free", f"{n.name}.scratch", extra)]
-        for r in [r for r in live if last.get(r, i) == i]:
-            events.append(("free", r.name, live.pop(r)))
-    return events
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    return walk(inputs, body, gm.graph.output_node().all_input_nodes, Formulas(sizes), NodeFacts(nodes),
+                counted={n for n in inputs if counted(n)}, shared=storages)
 
 
 @dataclass(frozen=True)
@@ -150,21 +275,37 @@ def evaluate(expr: sympy.Expr, values: Mapping[str, int]) -> int:
     return int(expr.xreplace({s: values[s.name] for s in expr.free_symbols}))
 
 
-def peak(events: list[Event], values: Mapping[str, int], base: int = 0) -> Liveness:
-    """Walk a schedule at the given symbol values (by name); ``base`` bytes are alive throughout."""
-    live: dict[str, int] = {}
-    total, best, at, snapshot = base, base, None, ()
-    for kind, name, expr in events:
-        b = evaluate(expr, values)
+def _highest(events: Sequence[tuple[str, str, int]], base: int = 0) -> tuple[int, int]:
+    """(the peak of integer events, the index of the allocation reaching it, -1 if none does)."""
+    total = best = base
+    at = -1
+    for i, (kind, _, b) in enumerate(events):
         if kind == "alloc":
-            live[name] = b
             total += b
             if total > best:
-                best, at = total, name
-                snapshot = tuple(sorted(live.items(), key=lambda kv: -kv[1]))
+                best, at = total, i
         else:
-            total -= live.pop(name)
-    return Liveness(best, at, snapshot)
+            total -= b
+    return best, at
+
+
+def peak_bytes(events: Sequence[tuple[str, str, int]]) -> int:
+    """The peak of a schedule whose bytes are integers (:class:`AtShape`)."""
+    return _highest(events)[0]
+
+
+def peak(events: list[Event], values: Mapping[str, int], base: int = 0) -> Liveness:
+    """Walk a schedule at the given symbol values (by name); ``base`` bytes are alive throughout."""
+    ints = [(kind, name, evaluate(expr, values)) for kind, name, expr in events]
+    best, at = _highest(ints, base)
+    live: dict[str, int] = {}
+    for kind, name, b in ints[:at + 1]:
+        if kind == "alloc":
+            live[name] = b
+        else:
+            live.pop(name)
+    snapshot = tuple(sorted(live.items(), key=lambda kv: -kv[1])) if at >= 0 else ()
+    return Liveness(best, ints[at][1] if at >= 0 else None, snapshot)
 
 
 def step_schedules(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes,
@@ -173,14 +314,14 @@ def step_schedules(fw: fx.GraphModule, bw: fx.GraphModule, sizes: SymbolicSizes,
     forward's inputs and the backward's placeholders named in ``inputs`` (parameters, the batch
     and views of them), which exist before the step; counted: the kept values and tangents."""
     return (schedule(fw, sizes, counted=lambda n: False),
-            schedule(bw, sizes, counted=lambda n: n.name not in inputs, storages=kept_storages(fw, bw, sizes)))
+            schedule(bw, sizes, counted=lambda n: n.name not in inputs, storages=kept_storages(fw, bw)))
 
 
-def kept_storages(fw: fx.GraphModule, bw: fx.GraphModule,
-                  sizes: SymbolicSizes) -> dict[fx.Node, tuple[fx.Node, sympy.Expr]]:
+def kept_storages(fw: fx.GraphModule, bw: fx.GraphModule) -> dict[fx.Node, tuple[fx.Node, fx.Node]]:
     """The backward's placeholders for kept values -> (the first one sharing their storage, the
-    storage's bytes): a kept view (an ``expand`` of grouped-query attention's keys, a slice of a
-    fused projection) holds its whole storage, once however many views of it are kept."""
+    forward node owning the storage): a kept view (an ``expand`` of grouped-query attention's
+    keys, a slice of a fused projection) holds its whole storage, once however many views of it
+    are kept."""
     root = storage_roots(fw)
     by_name = {n.name: n for n in fw.graph.nodes}
     first: dict[fx.Node, fx.Node] = {}
@@ -190,7 +331,7 @@ def kept_storages(fw: fx.GraphModule, bw: fx.GraphModule,
         if n is None or n.op == "placeholder" or root[n].op == "placeholder":
             continue
         r = root[n]
-        out[p] = (first.setdefault(r, p), sizes.nbytes(r))
+        out[p] = (first.setdefault(r, p), r)
     return out
 
 

@@ -13,16 +13,16 @@ their GELU before bias-GELU looks for one.
 
 A match is ``proven`` when its fused form never raises the planned step peak and ``futile`` when
 it cannot lower it; the backend applies the first and declines the second (unless its pattern is
-asked for by name) without comparing plans, and compares the rest (a second AOTAutograd trace and
-plan, a third of a 32-layer compile: ``fxmem.lowering.decide``). Proven: the two norms (checked on
-the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``) and the fused
+asked for by name) without comparing plans, and compares the rest (a second AOTAutograd trace
+and plan: ``fxmem.lowering.decide``; what that costs: bench/results/realistic-compile-time.md).
+Proven: the two norms (checked on the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``) and the fused
 cross-entropy where its logits are at least CE_PROVEN_FROM times the gradients it keeps from the
 forward (without autocast: under it the fused loss is compared, see CE_PROVEN_FROM); futile: the
 fused cross-entropy below CE_FUTILE_BELOW times, whose fixed buffers then outweigh the logits
 (bench/results/lowering-ce-ratio.md), and SwiGLU/GeGLU, which never changed the planned peak on
 the zoo (bench/results/lowering-glu.md; under a memory budget the fused SwiGLU measured above its
-simulation). Bias-GELU is compared: it lowered the peak by 12.5% on GPT-2's written-out tanh GELU
-and left it unchanged with ``F.gelu``.
+simulation). Bias-GELU is compared: whether it lowers the peak depends on the model (it does on GPT-2's
+written-out tanh GELU, not with ``F.gelu``: docs/lowering.md).
 
 Under autocast (:mod:`.amp`) the finders read the dtypes Dynamo recorded, which are autocast's,
 and hand the fused call the dtype autocast would have run the replaced ops in (``dtype=``): the

@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch.fx as fx
 
-from ..inner import reuse_dead_buffers
+from ..graph.reuse import reuse_dead_buffers
 from ..options import Options, Rule
 from .fences import for_inductor
 from .split import Split

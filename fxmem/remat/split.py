@@ -32,7 +32,7 @@ class Split:
     recomputed: tuple[fx.Node, ...]  # forward-side joint nodes that the backward runs again
 
 
-def _late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> list[fx.Node]:
+def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> list[fx.Node]:
     """``needed`` in an order where each node of ``late`` runs just before its first user.
 
     Recomputed forward nodes are ``late``: computing them all at the start of the backward would
@@ -67,7 +67,7 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
         env[node] = graph.placeholder(node.name)
         env[node].meta = node.meta
     needed = ancestors([*outputs, *effects], stop=set(inputs)) - set(inputs)
-    for node in _late_order(gm, needed, late):
+    for node in late_order(gm, needed, late):
         if node.op == "placeholder":
             raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
         env[node] = graph.node_copy(node, lambda n: env[n])
