@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from . import inner, lowering, per_example
+from . import fit, inner, lowering, per_example
 from .compilation import Compilation, Compiled, as_requested
 from .fallback import is_failure, stage_failed
 from .graph.sizes import check_plan_shape, model_state_bytes, static_dims
@@ -40,7 +40,9 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
     check_plan_shape(gm, opts.plan_shape)
     ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
-    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), model_state_bytes(gm),
+    state = model_state_bytes(gm)
+    opts = fit.derive(opts, state)  # options={"fit": ...}: the step's peak_budget on this device (fxmem/fit.py)
+    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), state,
                        requested=as_requested(options))
     compiled = _per_example(gm, example_inputs, comp) or _whole(gm, example_inputs, comp)
     return Compiled(compiled, comp)

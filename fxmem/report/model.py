@@ -45,14 +45,14 @@ class LoweringRow:
     notes: list[str] = field(default_factory=list)
 
 
-_OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}  # state bytes per trainable byte
 
 
 def optimizer_state_per_byte(optimizer: str | float | None) -> float:
     """Bytes of optimizer state per byte of trainable parameter (see ``MemoryReport.max_batch``)."""
-    per_byte = _OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
+    per_byte = OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
     if per_byte is None or isinstance(per_byte, bool) or not isinstance(per_byte, (int, float)) or per_byte < 0:
-        raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in _OPTIMIZER_STATE)} or bytes of "
+        raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in OPTIMIZER_STATE)} or bytes of "
                          f"state per trainable byte (a number >= 0), got {optimizer!r}")
     return per_byte
 
