@@ -273,11 +273,15 @@ def plot(result: dict, path: str, device: str | None, batch: int) -> str:
     batches = sorted({max(1, round(top * i / 40)) for i in range(41)})
     (name, dims), = result["shapes"].items()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for level, rep in result["reports"].items():
+    styles = ["-", "--", ":"]
+    for i, (level, rep) in enumerate(result["reports"].items()):
         total = [(result["resident_bytes"] + rep.predict_peak(**{name: (b, *dims[1:])})) / 2**30 for b in batches]
-        ax.plot(batches, total, label=f"level {level}")
+        best = result["max_batch"].get(level)
+        label = f"level {level}" + (f" (largest batch {best})" if best is not None else "")
+        ax.plot(batches, total, styles[i % 3], linewidth=2, label=label)
     if cap:
-        ax.axhline(cap / 2**30, color="black", linestyle="--", label=f"device {device}")
+        ax.axhline(cap / 2**30, color="black", linestyle="-.", label=f"device {device}")
+        ax.set_ylim(0, 2 * cap / 2**30)  # the region that decides what fits
     ax.set_xlabel("batch size")
     ax.set_ylabel("memory (GiB): weights, optimizer state and step peak")
     ax.set_title("fxmem estimate: training-step memory by batch size")
