@@ -59,7 +59,8 @@ def run(steps: int = 4, inner: str = "inductor", batch: int = 8, seq: int = 256,
     rows = []
     labels = list(_configs(inner))
     for i, label in enumerate(labels, 1):
-        print(f"  [{i}/{len(labels)}] {label}: compiling and running {steps} steps in a fresh process ...", flush=True)
+        what = "running" if _configs(inner)[label] is None else "compiling and running"
+        print(f"  [{i}/{len(labels)}] {label}: {what} {steps} steps in a fresh process ...", flush=True)
         with tempfile.TemporaryDirectory(prefix="fxmem-demo-") as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
             cmd = [sys.executable, "-m", "fxmem.demo", "--one", label, "--steps", str(steps), "--inner", inner,
