@@ -261,18 +261,13 @@ def table(result: dict, device: str | None) -> str:
 
 def plot(result: dict, path: str, device: str | None, batch: int) -> str:
     """Memory (resident + step peak) against the batch size, one line per level, the device's size dashed."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .report.render import axes, save
 
     cap = parse_bytes(device, "device") if device else None
     top = max([batch * 2, *[2 * b for b in result["max_batch"].values()]])
     batches = sorted({max(1, round(top * i / 40)) for i in range(41)})
     (name, dims), = result["shapes"].items()
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = axes("estimate --plot")
     styles = ["-", "--", ":"]
     for i, (level, rep) in enumerate(result["reports"].items()):
         total = [(result["resident_bytes"] + rep.predict_peak(**{name: (b, *dims[1:])})) / 2**30 for b in batches]
@@ -282,15 +277,8 @@ def plot(result: dict, path: str, device: str | None, batch: int) -> str:
     if cap:
         ax.axhline(cap / 2**30, color="black", linestyle="-.", label=f"device {device}")
         ax.set_ylim(0, 2 * cap / 2**30)  # the region that decides what fits
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("memory (GiB): weights, optimizer state and step peak")
-    ax.set_title("fxmem estimate: training-step memory by batch size")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, ax, path, "batch size", "memory (GiB): weights, optimizer state and step peak",
+                "fxmem estimate: training-step memory by batch size")
 
 
 def parser() -> argparse.ArgumentParser:

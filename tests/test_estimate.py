@@ -81,6 +81,15 @@ def test_resident_bytes_and_largest_batch_are_consistent(tiny_llama):
     assert result["peak_bytes"]["1"] <= result["peak_bytes"]["0"]
 
 
+@pytest.mark.slow
+def test_plot_draws_memory_against_batch(tiny_llama, tmp_path):
+    from fxmem.estimate import plot
+
+    _, result = tiny_llama
+    path = plot(result, str(tmp_path / "fit.png"), "64MB", 4)
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _measured_level1_peak(config: Path, batch: int, seq: int) -> int:
     """The real step's peak of ``torch.compile(model, backend="fxmem", options={"level": 1})``
     (eager inner graphs), the third step, exact from the allocator's events."""

@@ -123,32 +123,46 @@ def lowering_lines(rows: list[LoweringRow], notes: list[str]) -> list[str]:
     return lines + [f"lowering: {n}" for n in notes]
 
 
-def plot(g: GraphReport, path: str) -> str:
+def axes(who: str):
+    """A figure and its axes on matplotlib's file backend; ``who`` names the caller in the error
+    when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("MemoryReport.plot needs matplotlib: pip install 'fxmem[report]'") from None
+        raise ImportError(f"{who} needs matplotlib: pip install 'fxmem[report]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    pts = sorted({(c, b) for b, c, _ in g.frontier})
-    if pts:
-        ax.plot([c for c, _ in pts], [b / 2**20 for _, b in pts], "o-", color="tab:blue",
-                label="cheapest plan at each recompute weight")
-    ax.plot([g.recompute_cost], [g.saved_bytes / 2**20], "*", color="tab:red", markersize=16,
-            label=f"chosen (level {g.level})")
-    ax.set_xlabel("recompute cost (FLOPs)")
-    ax.set_ylabel("saved activations (MiB)")
-    ax.set_xscale("symlog")
-    ax.set_title(f"fxmem: memory vs recompute, graph {g.index}")
+    return plt.subplots(figsize=(6.4, 4.4))
+
+
+def save(fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label, grid, legend, write ``path``, close."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot(g: GraphReport, path: str) -> str:
+    fig, ax = axes("MemoryReport.plot")
+    pts = sorted({(c, b) for b, c, _ in g.frontier})
+    if pts:
+        ax.plot([c for c, _ in pts], [b / 2**20 for _, b in pts], "o-", color="tab:blue",
+                label="cheapest plan at each recompute weight")
+    ax.plot([g.recompute_cost], [g.saved_bytes / 2**20], "*", color="tab:red", markersize=16,
+            label=f"chosen (level {g.level})")
+    ax.set_xscale("symlog")
+    return save(fig, ax, path, "recompute cost (FLOPs)", "saved activations (MiB)",
+                f"fxmem: memory vs recompute, graph {g.index}")
 
 
 def per_example_lines(plans: list[dict]) -> list[str]:
