@@ -90,28 +90,32 @@ def test_plot_draws_memory_against_batch(tiny_llama, tmp_path):
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _measured_level1_peak(config: Path, batch: int, seq: int) -> int:
+def _measured_level1_peak(config: Path, batch: int, seq: int, dynamic: bool) -> int:
     """The real step's peak of ``torch.compile(model, backend="fxmem", options={"level": 1})``
-    (eager inner graphs), the third step, exact from the allocator's events."""
+    (eager inner graphs), the third step, exact from the allocator's events; the loss is kept and
+    the other outputs (logits) dropped before the backward, as a training loop does."""
     torch._dynamo.reset()
     model = hf_spec(str(config), torch.float32).build(None, "cpu")
     inputs = step_inputs(model, batch, seq, torch.float32, "cpu")
-    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1})
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1}, dynamic=dynamic)
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         with step_perf("cpu") as perf:
-            out = compiled(**inputs)
-            out.loss.backward()
-            del out
+            loss = compiled(**inputs).loss
+            loss.backward()
+            del loss
     return perf.result.peak_bytes
 
 
 @pytest.mark.slow  # about 40 s each here
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "vit-tiny"])
 def test_estimate_is_within_5_percent_of_the_measured_level1_peak(name):
+    """Against the step of a dynamic-shape compile, the plan the estimate makes. A static compile
+    of the decoder and the encoder peaks lower: pattern lowering fuses their loss at static shapes
+    and declines it at dynamic ones (docs/estimate.md)."""
     config, batch, seq = CONFIGS / f"{name}.json", 4, 128
     predicted = estimate(str(config), batch, seq, levels=(1,))["peak_bytes"]["1"]
-    measured = _measured_level1_peak(config, batch, seq)
+    measured = _measured_level1_peak(config, batch, seq, dynamic=True)
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
