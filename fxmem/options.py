@@ -275,9 +275,11 @@ def _parse_report_path(value: Any, key: str = "report_path") -> str | None:
     return path
 
 
-def _parse_optimizer(value: Any, key: str = "optimizer") -> str | None:
-    from .report.model import OPTIMIZER_STATE
+# Optimizer state per trainable byte, by optimizer ("fit" reserves it; reports' max_batch counts it).
+OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
+
+def _parse_optimizer(value: Any, key: str = "optimizer") -> str | None:
     if value is not None and value not in OPTIMIZER_STATE:
         raise _err(key, value, ", ".join(repr(k) for k in OPTIMIZER_STATE))
     return value

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import sympy
 
 from ..graph.liveness import Event, evaluate, peak, step_schedules, storage_roots
-from ..options import parse_bytes
+from ..options import OPTIMIZER_STATE, parse_bytes
 from .modules import TOP, by_module, common, owners
 
 SCHEMA_VERSION = 1
@@ -44,8 +44,6 @@ class LoweringRow:
     replacement: str  # the fused ops
     notes: list[str] = field(default_factory=list)
 
-
-OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}  # state bytes per trainable byte
 
 
 def optimizer_state_per_byte(optimizer: str | float | None) -> float:
