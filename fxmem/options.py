@@ -291,7 +291,7 @@ _PARSERS = {
     "memory_budget": parse_budget,
     "peak_budget": lambda v: None if v is None else parse_bytes(v, "peak_budget"),
     "fit": lambda v: None if v is None else parse_bytes(v, "fit"),
-    "optimizer": lambda v: _parse_optimizer(v),
+    "optimizer": _parse_optimizer,
     "inner": _parse_inner,
     "plan_shape": _parse_plan_shape,
     "microbatch_size": _parse_microbatch,
