@@ -68,7 +68,7 @@ def plan_device(model: torch.nn.Module) -> str:
     """Where to plan ``model`` (built on meta): "meta", or "cpu" when it has active dropout, which
     the planner cannot replay on the meta device (it reads the device's generator state)."""
     cfg = getattr(model, "config", None)
-    config_drop = any(("drop" in k and isinstance(v, float) and v > 0) for k, v in vars(cfg or object()).items())
+    config_drop = cfg is not None and any("drop" in k and isinstance(v, float) and v > 0 for k, v in vars(cfg).items())
     module_drop = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
     if not (config_drop or module_drop):
         return "meta"
@@ -160,12 +160,12 @@ def function_spec(target: str, dtype: torch.dtype) -> Spec:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"estimate: cannot import {target} ({e})") from None
-    made = fn()
+    made = fn()  # checked once; each plan builds its own
     if not isinstance(made, torch.nn.Module):
         raise ValueError(f"estimate: {target}() returned a {type(made).__name__}; it must return a torch.nn.Module")
 
     def build(depth: int | None, device: str = "meta") -> torch.nn.Module:
-        return made.to(device=device, dtype=dtype).train()
+        return fn().to(device=device, dtype=dtype).train()  # a fresh one: moving to meta drops the weights
 
     return Spec(build, None, target)
 

@@ -133,3 +133,30 @@ def test_a_7b_config_is_estimated_from_the_command_line():
     assert 0 < result["peak_bytes"]["1"] < 40 * 2**30 and 1 <= result["max_batch"]["1"] < 64
     assert "[fxmem estimate] level 1: planning 2 and 3 of 32 layers" in run.stderr  # progress
     assert time.monotonic() - started < 180
+
+
+class _TinyLM(torch.nn.Module):
+    """A model of the user's own: HF-style inputs, the loss as its output."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(torch.nn.functional.gelu(self.embed(input_ids)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def tiny_lm() -> torch.nn.Module:
+    return _TinyLM()
+
+
+@pytest.mark.slow
+def test_a_module_function_builds_the_model():
+    result = estimate(f"{__name__}:tiny_lm", 4, 16, levels=(0,), device="1MB", optimizer="sgd")
+    params = sum(p.numel() * p.element_size() for p in tiny_lm().parameters())
+    assert result["resident_bytes"] == params
+    assert result["peak_bytes"]["0"] > 4 * 16 * 64 * 4  # at least the logits
+    rep = result["reports"]["0"]
+    assert result["max_batch"]["0"] >= 1
+    assert params + rep.predict_peak(input_ids=(result["max_batch"]["0"] + 1, 16)) > 10**6
