@@ -153,8 +153,9 @@ def _loss_type(cls: type) -> str | None:
 
 
 def function_spec(target: str, dtype: torch.dtype) -> Spec:
-    """A model from ``module:function``: the function takes no arguments and returns the model
-    (built on any device: it is moved to meta) or an HF config."""
+    """A model from ``module:function``: the function takes no arguments and returns an
+    ``nn.Module`` taking HF-style inputs (built on any device: each plan calls it and moves the
+    result to the meta device); its depth is planned as it is (no extrapolation)."""
     module_name, _, fn_name = target.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
