@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .options import parse_bytes
+from .report.render import human
 
 LEVELS = (0, 1, 2)
 PROBES = (2, 3)  # depths planned for deeper models (the line through them gives the real depth)
@@ -215,6 +216,8 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
         raise ValueError(f"estimate: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"estimate: optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if not levels or any(level not in LEVELS for level in levels):
+        raise ValueError(f"estimate: levels must be some of {LEVELS}, got {levels!r}")
     if not (isinstance(batch, int) and batch >= 1 and isinstance(seq, int) and seq >= 1):
         raise ValueError(f"estimate: batch and seq must be positive integers, got {batch!r} and {seq!r}")
     cap = parse_bytes(device, "device") if device is not None else None
@@ -240,18 +243,12 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
     return out
 
 
-def _human(nbytes: int) -> str:
-    from .report.render import human
-
-    return human(nbytes)
-
-
 def table(result: dict, device: str | None) -> str:
     lines = [f"{'level':>5s}  {'step peak':>10s}  {'+ resident':>10s}  {'total':>10s}"
              + ("  largest batch that fits" if device else "")]
     for level, peak in result["peak_bytes"].items():
         total = peak + result["resident_bytes"]
-        row = f"{level:>5s}  {_human(peak):>10s}  {_human(result['resident_bytes']):>10s}  {_human(total):>10s}"
+        row = f"{level:>5s}  {human(peak):>10s}  {human(result['resident_bytes']):>10s}  {human(total):>10s}"
         if device:
             row += f"  {result['max_batch'][level]} (on {device})"
         lines.append(row)

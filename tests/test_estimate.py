@@ -48,6 +48,8 @@ def test_cli_bad_model_type_and_values(tmp_path, capsys):
     assert code == 2 and "invalid choice: 'fp16' (choose from 'fp32', 'bf16')" in err
     with pytest.raises(ValueError, match="batch and seq must be positive integers, got 0 and 8"):
         estimate(str(bad), 0, 8)
+    with pytest.raises(ValueError, match=r"levels must be some of \(0, 1, 2\), got \(3,\)"):
+        estimate(str(bad), 2, 8, levels=(3,))
 
 
 @pytest.mark.parametrize("command", list(cli.COMMANDS))
