@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.fx as fx
 
-from . import inner, lowering, per_example
+from . import fit, inner, lowering, per_example
 from .compilation import Compilation, Compiled, as_requested
 from .fallback import is_failure, stage_failed
 from .graph.sizes import check_plan_shape, model_state_bytes, static_dims
@@ -45,22 +45,24 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
     opts = _options(options, kwargs)                                              # options
     check_plan_shape(gm, opts.plan_shape)
     ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
-    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), model_state_bytes(gm),
+    state = model_state_bytes(gm)
+    comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), state,
                        requested=as_requested(options))
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
+    settings = PlanSettings.of(opts, fit_budget=fit.peak_budget(opts, state))  # the planner's, "fit" derived
     with _stage("per-example"):
         chunked = _per_example(gm, example_inputs, comp)                          # per-example regions
     if chunked is not None:
         return Compiled(chunked, comp)
     try:
         with _stage("lowering"):
-            decision = decide(gm, example_inputs, opts)                           # lowering (decided)
+            decision = decide(gm, example_inputs, opts, settings)                 # lowering (decided)
         with _stage(f"compile (AOT trace, plan, split, {opts.inner} inner compiler)"):
             if decision.trial is not None:  # the decision's trial is this compile (eager inner compiler)
                 compiled, planned, lowered = decision.trial.compiled, decision.trial.planned, decision.lowering
                 decision.trial.warn()
             else:
-                compiled, planned, lowered = _compile(gm, decision, example_inputs, opts)  # AOT trace .. inner
+                compiled, planned, lowered = _compile(gm, decision, example_inputs, opts.inner, settings)  # AOT..
     except Exception as e:  # noqa: BLE001 - the failure policy decides
         stage_failed("compile", e, opts)
         return Compiled(inner.compile_safe(gm, example_inputs), comp)  # the graph as Dynamo gave it: no lowering
@@ -69,14 +71,14 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
     return Compiled(compiled, comp)
 
 
-def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any],
-             opts: Options) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
+def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], inner_name: str,
+             settings: PlanSettings) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
     """AOTAutograd with fxmem's partitioner (sizes, plan, split), then the inner compiler, on the
     decided graph; where that fails (e.g. a fused kernel's backward differentiated again), on the
     unlowered graph, with the report saying why."""
-    partitioner = Partitioner(PlanSettings.of(opts))
+    partitioner = Partitioner(settings)
     try:
-        return inner.compile_joint(decision.gm, example_inputs, opts.inner, partitioner), partitioner.planned, \
+        return inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner), partitioner.planned, \
             decision.lowering
     except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
         if decision.gm is gm or not is_failure(e):
@@ -85,8 +87,8 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any],
                   type(e).__name__, e)
         why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
                "the unlowered one could")
-    partitioner = Partitioner(PlanSettings.of(opts))
-    return inner.compile_joint(gm, example_inputs, opts.inner, partitioner), partitioner.planned, \
+    partitioner = Partitioner(settings)
+    return inner.compile_joint(gm, example_inputs, inner_name, partitioner), partitioner.planned, \
         decision.lowering.declined(why)
 
 

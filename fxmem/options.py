@@ -85,6 +85,8 @@ class Options:
     config: tuple[Rule, ...] = ()
     memory_budget: int | float | None = None  # saved activation bytes (int) or a fraction (float in [0, 1])
     peak_budget: int | None = None  # bytes: the cheapest plan whose simulated step peak fits (not with memory_budget)
+    fit: int | None = None  # device bytes: peak_budget = fit - weights - optimizer state (fxmem/fit.py)
+    optimizer: str | None = None  # with fit: whose state to count (default "adamw")
     inner: str = "inductor"
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     microbatch_size: int | str | None = None  # None, a positive int, or "auto"
@@ -273,11 +275,23 @@ def _parse_report_path(value: Any, key: str = "report_path") -> str | None:
     return path
 
 
+# Optimizer state per trainable byte, by optimizer ("fit" reserves it; reports' max_batch counts it).
+OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+def _parse_optimizer(value: Any, key: str = "optimizer") -> str | None:
+    if value is not None and value not in OPTIMIZER_STATE:
+        raise _err(key, value, ", ".join(repr(k) for k in OPTIMIZER_STATE))
+    return value
+
+
 _PARSERS = {
     "level": parse_level,
     "config": parse_config,
     "memory_budget": parse_budget,
     "peak_budget": lambda v: None if v is None else parse_bytes(v, "peak_budget"),
+    "fit": lambda v: None if v is None else parse_bytes(v, "fit"),
+    "optimizer": _parse_optimizer,
     "inner": _parse_inner,
     "plan_shape": _parse_plan_shape,
     "microbatch_size": _parse_microbatch,
@@ -320,4 +334,11 @@ def resolve(options: Mapping[str, Any] | Options | None = None, env: Mapping[str
         raise ValueError(f"options 'memory_budget' ({values['memory_budget']!r}) and 'peak_budget' "
                          f"({values['peak_budget']!r}): give one; memory_budget caps the saved activations, "
                          "peak_budget the step's peak")
+    budgets = [k for k in ("memory_budget", "peak_budget") if values.get(k) is not None]
+    if values.get("fit") is not None and budgets:
+        raise ValueError(f"options 'fit' and {budgets[0]!r}: give one; fit is the device's size, from which fxmem "
+                         "derives the step's peak_budget (fit minus weights and optimizer state)")
+    if values.get("optimizer") is not None and values.get("fit") is None:
+        raise ValueError(f"option 'optimizer' ({values['optimizer']!r}) counts only with 'fit' (the optimizer state "
+                         "it reserves on the device); allowed: give fit too, or leave optimizer out")
     return Options(**values)

@@ -222,3 +222,51 @@ def test_two_compiles_of_one_function_keep_their_own_records():
     assert [c.options.level for c in fxmem.compilations(g)] == [2]
     assert [c.options.level for c in fxmem.compilations(f, match=[w])] == [0]
     assert [c.options.level for c in fxmem.compilations(step)] == [0, 2]  # the function itself: both
+
+
+def test_human_units_never_print_zero_of_a_large_unit():
+    from fxmem.report.render import human
+
+    assert [human(b) for b in (0, 8, 1023, 1024, 1536, 500 * 2**10, 1000 * 2**10, 3 * 2**20 + 2**19, 7 * 2**30)] == \
+        ["0 B", "8 B", "1023 B", "1 KiB", "1.5 KiB", "500 KiB", "1000 KiB", "3.5 MiB", "7 GiB"]
+
+
+def _summary_and_modules(rep):
+    g = rep.graphs[-1]
+    lines = str(rep).splitlines()
+    return g, lines
+
+
+def test_report_opens_with_the_summary_and_attributes_kept_values_to_modules(compiled_llama):
+    _, _, _, rep = compiled_llama
+    g, lines = _summary_and_modules(rep)
+    assert lines[0].startswith("fxmem memory plan: graph 0, level 1")
+    assert lines[1].startswith("step peak (predicted): ") and "level 0 ~" in lines[1] and "eager" in lines[1]
+    assert lines[2].startswith("kept activations: ") and lines[3].startswith("recompute cost: ")
+    assert lines[4].startswith("largest at the peak (backward")
+    assert "0.0 MiB" not in str(rep)
+    # Every kept byte is attributed to a module, and the modules are the model's (model.layers.0 ...).
+    assert sum(kept for _, kept, _ in g.modules) == g.saved_bytes
+    assert any(m.startswith("model.layers.1.") for m, _, _ in g.modules)
+    assert "model.layers.*." in "\n".join(lines[5:])  # repeated layers folded in the module table
+    # The top holders are the peak's live values grouped by module: the largest is the head's logits.
+    b = rep.peak_breakdown()
+    assert lines[4].split(": ", 1)[1].startswith(f"{g.owners[b['live'][0][0]]} ")
+
+
+@pytest.mark.slow
+def test_gpt2_report_names_its_modules_and_says_which_plan_it_used():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, use_cache=False,
+                     loss_type="ForCausalLM", bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 512, (2, 32))
+    rep = fxmem.explain(GPT2LMHeadModel(cfg), {"inner": "eager", "level": 1}, input_ids=ids, labels=ids)
+    g, lines = _summary_and_modules(rep)
+    modules = {m for m, _, _ in g.modules}
+    assert {"transformer.h.0.attn", "transformer.h.1.attn", "lm_head"} <= modules
+    assert "transformer.h.*.attn" in str(rep) and "transformer.h.*.mlp" in str(rep)
+    fell_back = any("using level 0's plan" in n for n in g.notes)
+    assert lines[0].endswith("used as asked") != fell_back
+    assert ("level 0's plan used" in lines[0]) == fell_back

@@ -23,7 +23,7 @@ from .. import inner
 from ..options import Options
 from ..remat.budget import BudgetError
 from ..remat.partition import Partitioner, PlannedGraph
-from ..remat.settings import PlanSettings
+from ..remat.settings import EAGER, PlanSettings
 from . import Lowering, lower
 
 log = logging.getLogger("fxmem")
@@ -52,14 +52,14 @@ class Decision:
     trial: Trial | None = None
 
 
-def decide(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Decision:
-    """The graph to compile and what was lowered."""
+def decide(gm: fx.GraphModule, example_inputs: list[Any], options: Options, settings: PlanSettings) -> Decision:
+    """The graph to compile and what was lowered; ``settings``: the planner's, for the compile."""
     lowered_gm, lowered = lower(gm, example_inputs, options.lowering, decline_futile=True)
     unproven = sorted({x.pattern for x in lowered.unproven()})
     if not unproven:
         return Decision(lowered_gm, lowered)
     base_gm, _ = lower(gm, example_inputs, options.lowering, proven_only=True, decline_futile=True)
-    settings = PlanSettings.of(options, inner="eager")
+    settings = replace(settings, target=EAGER)  # compiled with the eager inner compiler (it may be the compile)
     with_trial, without_trial = (trial(g, example_inputs, settings) for g in (lowered_gm, base_gm))
     with_lowering, without = (t.peak if t is not None else None for t in (with_trial, without_trial))
     log.debug("fxmem lowering: planned peak %s bytes with %s, %s without", with_lowering, unproven, without)

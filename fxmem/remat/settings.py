@@ -56,14 +56,14 @@ class PlanSettings:
     target: Target = INDUCTOR
 
     @classmethod
-    def of(cls, options: Options, *, inner: str | None = None, strict: bool | None = None,
-           budgets: bool = True) -> "PlanSettings":
-        """``options``' settings; ``inner``/``strict`` where a stage plans for another target or
-        turns failures into errors (the lowering's comparison); ``budgets=False`` leaves the
-        budgets out (a per-example chunk graph)."""
+    def of(cls, options: Options, *, inner: str | None = None, budgets: bool = True,
+           fit_budget: int | None = None) -> "PlanSettings":
+        """``options``' settings; ``inner`` where a stage plans for another target;
+        ``budgets=False`` leaves the budgets out (a per-example chunk graph); ``fit_budget``: the
+        ``peak_budget`` that the ``fit`` option leaves for this graph (:func:`fxmem.fit.peak_budget`)."""
+        peak = fit_budget if options.fit is not None else options.peak_budget
         return cls(options.level, options.config, options.memory_budget if budgets else None,
-                   options.peak_budget if budgets else None, options.strict if strict is None else strict,
-                   options.plan_shape, TARGETS[inner or options.inner])
+                   peak if budgets else None, options.strict, options.plan_shape, TARGETS[inner or options.inner])
 
     @property
     def budgeted(self) -> bool:

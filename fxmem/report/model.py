@@ -15,8 +15,9 @@ from typing import Any, Callable, Mapping
 
 import sympy
 
-from ..graph.liveness import Event, evaluate, peak, step_schedules
-from ..options import parse_bytes
+from ..graph.liveness import Event, evaluate, peak, step_schedules, storage_roots
+from ..options import OPTIMIZER_STATE, parse_bytes
+from .modules import TOP, by_module, common, owners
 
 SCHEMA_VERSION = 1
 _ARGS = re.compile(r"\bargs\[(\d+)\]")
@@ -31,6 +32,7 @@ class ClusterRow:
     recomputed: int  # occurrences recomputed
     saving_bytes: int  # bytes not kept thanks to the recomputed occurrences, at the compiled shape
     saving_formula: str  # one occurrence's bytes, readable names
+    module: str = ""  # the module of its occurrences (transformer.h.*.mlp for one a layer), see report.modules
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,12 @@ class LoweringRow:
     notes: list[str] = field(default_factory=list)
 
 
-_OPTIMIZER_STATE = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
-
 
 def optimizer_state_per_byte(optimizer: str | float | None) -> float:
     """Bytes of optimizer state per byte of trainable parameter (see ``MemoryReport.max_batch``)."""
-    per_byte = _OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
+    per_byte = OPTIMIZER_STATE.get(optimizer) if isinstance(optimizer, str) or optimizer is None else optimizer
     if per_byte is None or isinstance(per_byte, bool) or not isinstance(per_byte, (int, float)) or per_byte < 0:
-        raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in _OPTIMIZER_STATE)} or bytes of "
+        raise ValueError(f"optimizer must be one of {', '.join(repr(k) for k in OPTIMIZER_STATE)} or bytes of "
                          f"state per trainable byte (a number >= 0), got {optimizer!r}")
     return per_byte
 
@@ -113,6 +113,9 @@ class GraphReport:
     static_dims: dict[str, int] = field(default_factory=dict)  # input dims Dynamo specialized -> size
     model_bytes: int = 0  # parameters and buffers the graph takes (alive before and after the step)
     trainable_bytes: int = 0  # of which trainable parameters (optimizer state is per trainable byte)
+    modules: list[list] = field(default_factory=list)  # [module, kept bytes, recomputed bytes], largest first
+    owners: dict[str, str] = field(default_factory=dict)  # scheduled value name -> module that produced it
+    forward_cost: float = 0.0  # the forward's FLOPs (or elements), at the compiled shape
 
     def with_names(self, positional: list[str]) -> "GraphReport":
         """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
@@ -310,6 +313,8 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
     def nbytes(n):  # a view of a graph input (a weight's transpose) keeps no storage of its own
         return sympy.Integer(0) if n.name in inputs else sizes.nbytes(n)
 
+    owner = owners(plan.problem.joint.gm if plan.problem is not None else split.fw)
+
     by_id: dict[str, list] = {}
     for c in plan.clusters:
         by_id.setdefault(c.id, []).append(c)
@@ -319,10 +324,15 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         one = nbytes(occ[0].stash)
         count = -1 if len(rec) in (0, len(occ)) else len(rec)
         rows.append(ClusterRow(cid, f"{cid}:{1 if rec else 0}:{count}", bool(rec), len(occ), len(rec),
-                               sum(sizes.at(nbytes(c.stash)) for c in rec), sizes.pretty(one)))
+                               sum(sizes.at(nbytes(c.stash)) for c in rec), sizes.pretty(one),
+                               common([owner.get(c.stash.name, TOP) for c in occ])))
     rows.sort(key=lambda r: (-r.saving_bytes, r.id))
     cost = plan.problem.cost if plan.problem is not None else {}
     fw, bw = step_schedules(split.fw, split.bw, sizes, primal_names)
+    root = storage_roots(plan.problem.joint.gm) if plan.problem is not None else {}
+    kept = {root.get(n, n).name: sizes.at(nbytes(root.get(n, n))) for n in split.saved}
+    recomputed = {c.stash.name: sizes.at(nbytes(c.stash)) for c in plan.clusters if c.stash.name not in saved_names}
+    scheduled = {e[1] for e in [*fw, *bw]}
     return GraphReport(
         index=index, level=plan.level, options=options_key,
         symbols={s.name: n for s, n in sizes.names.items()},
@@ -335,4 +345,6 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         chosen_lambda=plan.lam, plain_bytes=plan.plain_bytes, level0_bytes=plan.level0_bytes,
         lowerings=list(lowerings), lowering_notes=list(lowering_notes), compile_id=compile_id,
         static_dims=dict(static_dims or {}), model_bytes=model_bytes[0], trainable_bytes=model_bytes[1],
+        modules=by_module(owner, kept, recomputed), owners={k: v for k, v in owner.items() if k in scheduled},
+        forward_cost=float(sum(cost.values())),
     )

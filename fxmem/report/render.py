@@ -8,8 +8,25 @@ if TYPE_CHECKING:  # model.py renders with these functions
     from .model import GraphReport, LoweringRow
 
 
-def _mb(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB"
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def human(nbytes: float) -> str:
+    """Bytes in binary units with three significant digits: ``512 B``, ``12.5 KiB``, ``1.10 GiB``
+    (never ``0.0 MiB``: a small size keeps a smaller unit)."""
+    value, unit = float(nbytes), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{int(value)} B"
+    return f"{value:.0f} {_UNITS[unit]}" if abs(value) >= 100 else f"{value:.3g} {_UNITS[unit]}"
+
+
+def flops(cost: float) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if cost >= scale:
+            return f"{cost / scale:.3g} {prefix}FLOPs"
+    return f"{cost:.0f} FLOPs"
 
 
 def _short(config: str, width: int = 64) -> str:
@@ -17,28 +34,70 @@ def _short(config: str, width: int = 64) -> str:
     return config if len(config) <= width else f"{config[:40]}...{config[-(width - 43):]}"
 
 
-def _largest(b: dict, n: int = 4) -> str:
-    live = ", ".join(f"{name} {_mb(nbytes)}" for name, nbytes in b["live"][:n])
+LEVEL0_USED = "using level 0's plan"  # the planner's note when a level's plan does not lower the peak
+
+
+def summary(g: GraphReport) -> list[str]:
+    """Five lines: the level (and whether it was used as asked), the predicted step peak against
+    level 0's and eager's, the kept activations, the recompute cost, the top 3 memory holders."""
+    from .modules import holders
+
+    where = f" (compile {g.compile_id})" if g.compile_id else ""
+    fallback = next((n for n in g.notes if LEVEL0_USED in n), None)
+    used = (f"level 0's plan used ({fallback.split(':', 1)[-1].split(';')[0].strip()})"
+            if fallback and g.level > 0 else "used as asked")
+    b = g.peak_breakdown()
+    peak = b["peak"]
+    # Level 0 and a plain (eager) partition keep other activations; the rest of the step is the
+    # same, so their peaks are this one plus what they keep beyond it (estimates, marked ~).
+    level0, eager = peak + g.level0_bytes - g.saved_bytes, peak + g.plain_bytes - g.saved_bytes
+    share = f"{100 * g.recompute_cost / g.forward_cost:.0f}% of the forward" if g.forward_cost else "of the forward"
+    top = ", ".join(f"{m} {human(n)}" for m, n in holders(g.owners, b["live"])) or "none"
+    return [f"fxmem memory plan: graph {g.index}, level {g.level}{where}: {used}",
+            f"step peak (predicted): {human(peak)}; level 0 ~{human(level0)}; eager (no recompute) ~{human(eager)}",
+            f"kept activations: {human(g.saved_bytes)} (level 0 {human(g.level0_bytes)}, eager {human(g.plain_bytes)})",
+            f"recompute cost: {flops(g.recompute_cost)}, {share}" if g.forward_cost
+            else f"recompute cost: {flops(g.recompute_cost)}",
+            f"largest at the peak ({b['phase']}, at {b['at']}): {top}"]
+
+
+def _largest(b: dict, owner: dict[str, str], n: int = 4) -> str:
+    live = ", ".join(f"{name} ({owner.get(name, '?')}) {human(nbytes)}" for name, nbytes in b["live"][:n])
     more = len(b["live"]) - n
     return f"in the {b['phase']} at {b['at']}; largest alive: {live}" + (f" and {more} more" if more > 0 else "")
 
 
+def module_lines(g: GraphReport) -> list[str]:
+    """Kept and recomputed activations per module, repeated layers folded (``h.*.attn  x12``)."""
+    from .modules import folded
+
+    rows = folded(g.modules)
+    if not rows:
+        return []
+    w = max([len(r.module) for r in rows] + [len("module")])
+    lines = [f"{'module':{w}s}  count  {'kept':>10s}  {'recomputed':>10s}"]
+    lines += [f"{r.module:{w}s}  {r.count:5d}  {human(r.kept_bytes):>10s}  {human(r.recomputed_bytes):>10s}"
+              for r in rows]
+    return lines
+
+
 def table(g: GraphReport) -> str:
+    """The summary, the activations by module, then the per-cluster table (ONNX Runtime's
+    cluster ids: the ``config`` column is the rule that reproduces each row) and the details."""
     w = max([len(_short(r.config)) for r in g.clusters] + [len("config")])
-    where = f" (compile {g.compile_id})" if g.compile_id else ""
-    lines = [f"fxmem memory plan: graph {g.index}, level {g.level}{where}",
-             f"{'config':{w}s}  on   freq  saving (bytes)   saving per occurrence (formula)"]
+    lines = [*summary(g), "", *module_lines(g), "",
+             f"{'config':{w}s}  recomputed  freq  {'saving':>10s}  module / saving per occurrence (formula)"]
     for r in g.clusters:
-        lines.append(f"{_short(r.config):{w}s}  {'on ' if r.enabled else 'off'}  {r.frequency:4d}  "
-                     f"{r.saving_bytes:14,d}   {r.saving_formula}")
+        lines.append(f"{_short(r.config):{w}s}  {'yes' if r.enabled else 'no':10s}  {r.frequency:4d}  "
+                     f"{human(r.saving_bytes):>10s}  {r.module or '?'}: {r.saving_formula}")
     breakdown = g.peak_breakdown()
     peak = breakdown["peak"]
     lines += [
-        f"saved activations: {g.saved_bytes:,d} bytes ({_mb(g.saved_bytes)}) = {g.saved_formula}",
-        f"predicted step peak: {peak:,d} bytes ({_mb(peak)}), {_largest(breakdown)}",
+        f"saved activations: {g.saved_bytes:,d} bytes ({human(g.saved_bytes)}) = {g.saved_formula}",
+        f"predicted step peak: {peak:,d} bytes ({human(peak)}), {_largest(breakdown, g.owners)}",
         f"recompute cost: {g.recompute_cost:,.0f} FLOPs",
-        f"kept without recompute (plain partition): {_mb(g.plain_bytes)}; level 0 alone: "
-        f"{_mb(g.level0_bytes)}; this plan: {_mb(g.saved_bytes)}",
+        f"kept without recompute (plain partition): {human(g.plain_bytes)}; level 0 alone: "
+        f"{human(g.level0_bytes)}; this plan: {human(g.saved_bytes)}",
         f"rules applied: {', '.join(f'{r[0]} ({r[2]} occurrences)' for r in g.applied_rules) or 'none'}",
     ]
     lines += [f"note: {n}" for n in g.notes]
@@ -64,32 +123,46 @@ def lowering_lines(rows: list[LoweringRow], notes: list[str]) -> list[str]:
     return lines + [f"lowering: {n}" for n in notes]
 
 
-def plot(g: GraphReport, path: str) -> str:
+def axes(who: str):
+    """A figure and its axes on matplotlib's file backend; ``who`` names the caller in the error
+    when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("MemoryReport.plot needs matplotlib: pip install 'fxmem[report]'") from None
+        raise ImportError(f"{who} needs matplotlib: pip install 'fxmem[report]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    pts = sorted({(c, b) for b, c, _ in g.frontier})
-    if pts:
-        ax.plot([c for c, _ in pts], [b / 2**20 for _, b in pts], "o-", color="tab:blue",
-                label="cheapest plan at each recompute weight")
-    ax.plot([g.recompute_cost], [g.saved_bytes / 2**20], "*", color="tab:red", markersize=16,
-            label=f"chosen (level {g.level})")
-    ax.set_xlabel("recompute cost (FLOPs)")
-    ax.set_ylabel("saved activations (MiB)")
-    ax.set_xscale("symlog")
-    ax.set_title(f"fxmem: memory vs recompute, graph {g.index}")
+    return plt.subplots(figsize=(6.4, 4.4))
+
+
+def save(fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label, grid, legend, write ``path``, close."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot(g: GraphReport, path: str) -> str:
+    fig, ax = axes("MemoryReport.plot")
+    pts = sorted({(c, b) for b, c, _ in g.frontier})
+    if pts:
+        ax.plot([c for c, _ in pts], [b / 2**20 for _, b in pts], "o-", color="tab:blue",
+                label="cheapest plan at each recompute weight")
+    ax.plot([g.recompute_cost], [g.saved_bytes / 2**20], "*", color="tab:red", markersize=16,
+            label=f"chosen (level {g.level})")
+    ax.set_xscale("symlog")
+    return save(fig, ax, path, "recompute cost (FLOPs)", "saved activations (MiB)",
+                f"fxmem: memory vs recompute, graph {g.index}")
 
 
 def per_example_lines(plans: list[dict]) -> list[str]:
@@ -105,8 +178,8 @@ def per_example_lines(plans: list[dict]) -> list[str]:
                  f"  fused: {p['fused_sums']} clip-weighted batch sums as matvecs, "
                  f"{p['fused_norms']} global norms without concatenation"]
         if p["memory_budget"] is not None:
-            measured = ", ".join(f"m={m}: {b / 2**20:.1f} MiB" for m, b in sorted(p["measured"].items()))
-            lines.append(f"  budget {p['memory_budget'] / 2**20:.1f} MiB; measured step peaks {measured}")
+            measured = ", ".join(f"m={m}: {human(b)}" for m, b in sorted(p["measured"].items()))
+            lines.append(f"  budget {human(p['memory_budget'])}; measured step peaks {measured}")
         lines += ghost_lines(p.get("ghost") or [])
         out.append("\n".join(lines))
     return out

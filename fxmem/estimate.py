@@ -1,0 +1,312 @@
+"""``python -m fxmem estimate``: will a model's training step fit a device, before running it.
+
+The model is built from a Hugging Face ``config.json`` (or by a ``module:function`` of the
+user's) on the meta device: no weights are allocated, nothing is downloaded. Each level is
+planned by :func:`fxmem.explain` (``dynamic=True``), the planner and step simulator of a real
+compile; a model deeper than :data:`PROBES` allows is planned at two small depths and
+extrapolated (:func:`fxmem.explain_layers`). Printed per level: the predicted step peak (the
+step's activations, gradients and buffers), the resident bytes (weights and optimizer state,
+alive across steps) and the largest batch whose step fits the device beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .options import parse_bytes
+from .report.render import human
+
+LEVELS = (0, 1, 2)
+PROBES = (2, 3)  # depths planned for deeper models (the line through them gives the real depth)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OPTIMIZERS = {"adamw": "adamw", "sgd": "sgd", "none": None}
+
+
+CPU_PROBE_LIMIT = 2 * 2**30  # weights of a probe that may run on CPU (a model with dropout, see plan_device)
+
+
+@dataclass
+class Spec:
+    """How to build the model at a depth and what one training step's inputs are."""
+    build: Callable[[int | None, str], torch.nn.Module]  # (depth or None: as configured, device) -> model
+    layers: int | None  # the configured depth, None when it cannot be changed (a module:function)
+    name: str
+
+
+def step_inputs(model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
+                device: str = "meta") -> dict[str, torch.Tensor]:
+    """A training batch for an HF-style model: ``input_ids`` and ``labels`` (token labels for
+    language models, one class per example for classifiers), or ``pixel_values`` and class
+    labels for vision models; random on a real device, empty on meta."""
+    cfg = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", "input_ids")
+    classes = getattr(cfg, "num_labels", 2)
+    labels = torch.randint(0, classes, (batch,), device=device)
+    if main == "pixel_values":
+        size = getattr(cfg, "image_size", 224)
+        h, w = (size, size) if isinstance(size, int) else tuple(size)
+        x = torch.randn(batch, getattr(cfg, "num_channels", 3), h, w, dtype=dtype, device=device)
+        return {"pixel_values": x, "labels": labels}
+    if main != "input_ids":
+        raise ValueError(f"estimate: the model's main input is {main!r}; allowed: input_ids (text) or pixel_values "
+                         "(vision)")
+    ids = torch.randint(0, getattr(cfg, "vocab_size", 2), (batch, seq), device=device)
+    classifier = type(model).__name__.endswith("ForSequenceClassification")
+    return {"input_ids": ids, "labels": labels if classifier else ids}
+
+
+def plan_device(model: torch.nn.Module) -> str:
+    """Where to plan ``model`` (built on meta): "meta", or "cpu" when it has active dropout, which
+    the planner cannot replay on the meta device (it reads the device's generator state)."""
+    cfg = getattr(model, "config", None)
+    config_drop = cfg is not None and any("drop" in k and isinstance(v, float) and v > 0 for k, v in vars(cfg).items())
+    module_drop = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    if not (config_drop or module_drop):
+        return "meta"
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if weights > CPU_PROBE_LIMIT:
+        raise ValueError(f"estimate: the model has dropout, which fxmem plans only on a real device, and its "
+                         f"{weights / 2**30:.1f} GiB probe is too big for this machine's CPU; set the config's "
+                         "dropout probabilities to 0 to estimate without dropout masks")
+    return "cpu"
+
+
+def _hf_class(config: Any) -> type:
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
+                 "AutoModelForSequenceClassification"):
+        mapping = getattr(transformers, auto)._model_mapping
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise ValueError(f"estimate: no trainable head for model_type {config.model_type!r}; name one in the config's "
+                     "\"architectures\" (e.g. LlamaForCausalLM) or pass a module:function that builds the model")
+
+
+def _depth_attr(config: Any) -> str | None:
+    for attr in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, attr, None), int):
+            return attr
+    return None
+
+
+def hf_spec(path: str, dtype: torch.dtype) -> Spec:
+    """A model from an HF ``config.json`` (a file, or a folder holding one)."""
+    import copy
+
+    import transformers
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"estimate: no such config file: {file}")
+    with open(file) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"estimate: {file} is not JSON ({e})") from None
+    model_type = data.pop("model_type", None) if isinstance(data, dict) else None
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"estimate: {file} needs a \"model_type\" that transformers knows (llama, gpt2, bert, vit, "
+                         f"...), got {model_type!r}")
+    config = transformers.AutoConfig.for_model(model_type, **data)
+    config.use_cache = False  # training: no KV cache (it also trips Dynamo on the meta device)
+    cls, attr = _hf_class(config), _depth_attr(config)
+    if cls.__name__.endswith("ForSequenceClassification") or cls.__name__.endswith("ForImageClassification"):
+        config.problem_type = "single_label_classification"  # set on the first call otherwise: a recompile
+
+    def build(depth: int | None, device: str = "meta") -> torch.nn.Module:
+        cfg = copy.deepcopy(config)
+        if depth is not None:
+            setattr(cfg, attr, depth)
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = cls(cfg).to(dtype)
+        if hasattr(model, "loss_type"):
+            model.loss_type = getattr(cfg, "loss_type", None) or _loss_type(cls)
+        return model.train()
+
+    return Spec(build, getattr(config, attr) if attr else None, f"{cls.__name__} ({os.path.basename(file)})")
+
+
+def _loss_type(cls: type) -> str | None:
+    """HF models log (and Dynamo graph-breaks) when ``loss_type`` is unset: name it up front."""
+    name = cls.__name__
+    for suffix, loss in (("ForCausalLM", "ForCausalLM"), ("ForMaskedLM", "ForMaskedLM"),
+                         ("ForSequenceClassification", "ForSequenceClassification"),
+                         ("ForImageClassification", "ForImageClassification")):
+        if name.endswith(suffix):
+            return loss
+    return None
+
+
+def function_spec(target: str, dtype: torch.dtype) -> Spec:
+    """A model from ``module:function``: the function takes no arguments and returns an
+    ``nn.Module`` taking HF-style inputs (built on any device: each plan calls it and moves the
+    result to the meta device); its depth is planned as it is (no extrapolation)."""
+    module_name, _, fn_name = target.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"estimate: cannot import {target} ({e})") from None
+    made = fn()  # checked once; each plan builds its own
+    if not isinstance(made, torch.nn.Module):
+        raise ValueError(f"estimate: {target}() returned a {type(made).__name__}; it must return a torch.nn.Module")
+
+    def build(depth: int | None, device: str = "meta") -> torch.nn.Module:
+        return fn().to(device=device, dtype=dtype).train()  # a fresh one: moving to meta drops the weights
+
+    return Spec(build, None, target)
+
+
+def spec_for(source: str, dtype: torch.dtype) -> Spec:
+    if source.endswith(".json") or os.path.isdir(source):
+        return hf_spec(source, dtype)
+    if ":" in source:
+        return function_spec(source, dtype)
+    raise ValueError(f"estimate: {source!r} is neither a config.json (or a folder holding one) nor module:function")
+
+
+def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: Callable[[str], None]) -> Any:
+    """The report of ``level``'s plan (a ``LayerScaledReport`` for models deeper than the probes)."""
+    import fxmem
+
+    options = {"inner": "eager", "level": level}
+    plan_batch = max(batch, 2)  # Dynamo specializes a batch of 1: no batch symbol to scale with
+    deep = spec.layers is not None and spec.layers > 2 * PROBES[1]  # else one compile costs less than two
+    device = plan_device(spec.build(PROBES[1] if deep else None, "meta"))
+    where = "" if device == "meta" else " on CPU (dropout)"
+    if deep:
+        log(f"level {level}: planning {PROBES[0]} and {PROBES[1]} of {spec.layers} layers{where}, extrapolating")
+
+        def build(k: int) -> torch.nn.Module:
+            return spec.build(k, device)
+
+        batch_ = step_inputs(spec.build(PROBES[0], "meta"), plan_batch, seq, dtype, device)
+        return fxmem.explain_layers(build, spec.layers, options, PROBES, **batch_)
+    log(f"level {level}: planning the whole model{where}")
+    model = spec.build(None, device)
+    return fxmem.explain(model, options, **step_inputs(model, plan_batch, seq, dtype, device))
+
+
+def _shapes(inputs: dict[str, torch.Tensor], batch: int) -> dict[str, tuple]:
+    """The main input's shape at ``batch``: what ``predict_peak`` takes."""
+    name = "pixel_values" if "pixel_values" in inputs else "input_ids"
+    return {name: (batch, *inputs[name].shape[1:])}
+
+
+def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int | None = None,
+             optimizer: str = "adamw", dtype: str = "fp32", log: Callable[[str], None] = lambda s: None) -> dict:
+    """Predicted step peak, resident bytes and largest fitting batch per level (see the module
+    docstring); the dict ``--json`` prints, plus ``"reports"`` (level -> report) for plotting."""
+    if dtype not in DTYPES:
+        raise ValueError(f"estimate: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"estimate: optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if not levels or any(level not in LEVELS for level in levels):
+        raise ValueError(f"estimate: levels must be some of {LEVELS}, got {levels!r}")
+    if not (isinstance(batch, int) and batch >= 1 and isinstance(seq, int) and seq >= 1):
+        raise ValueError(f"estimate: batch and seq must be positive integers, got {batch!r} and {seq!r}")
+    cap = parse_bytes(device, "device") if device is not None else None
+    torch_dtype, opt = DTYPES[dtype], OPTIMIZERS[optimizer]
+    spec = spec_for(source, torch_dtype)
+    log(f"{spec.name}: batch {batch}, seq {seq}, {dtype}, optimizer {optimizer}")
+    out: dict[str, Any] = {"peak_bytes": {}, "resident_bytes": None, "max_batch": {}, "reports": {}}
+    sample = step_inputs(spec.build(1 if spec.layers else None, "meta"), 2, seq, torch_dtype)
+    shapes = _shapes(sample, batch)
+    text = "pixel_values" not in sample
+    for level in levels:
+        started = time.monotonic()
+        with warnings.catch_warnings():  # the meta device's loss has no autograd kernel: torch warns, harmlessly
+            warnings.filterwarnings("ignore", message="aten::nll_loss: an autograd kernel was not registered")
+            rep = plan(spec, level, batch, seq, torch_dtype, log)
+        out["reports"][str(level)] = rep
+        out["peak_bytes"][str(level)] = rep.predict_peak(**shapes)
+        out["resident_bytes"] = rep.resident_bytes(opt)
+        if cap is not None:
+            out["max_batch"][str(level)] = rep.max_batch(cap, optimizer=opt, **({"seq": seq} if text else {}))
+        log(f"level {level}: planned in {time.monotonic() - started:.0f} s")
+    out["shapes"] = shapes
+    return out
+
+
+def table(result: dict, device: str | None) -> str:
+    lines = [f"{'level':>5s}  {'step peak':>10s}  {'+ resident':>10s}  {'total':>10s}"
+             + ("  largest batch that fits" if device else "")]
+    for level, peak in result["peak_bytes"].items():
+        total = peak + result["resident_bytes"]
+        row = f"{level:>5s}  {human(peak):>10s}  {human(result['resident_bytes']):>10s}  {human(total):>10s}"
+        if device:
+            row += f"  {result['max_batch'][level]} (on {device})"
+        lines.append(row)
+    lines.append("step peak: activations, gradients and the step's buffers (predicted); resident: weights, "
+                 "buffers and optimizer state")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str, device: str | None, batch: int) -> str:
+    """Memory (resident + step peak) against the batch size, one line per level, the device's size dashed."""
+    from .report.render import axes, save
+
+    cap = parse_bytes(device, "device") if device else None
+    top = max([batch * 2, *[2 * b for b in result["max_batch"].values()]])
+    batches = sorted({max(1, round(top * i / 40)) for i in range(41)})
+    (name, dims), = result["shapes"].items()
+    fig, ax = axes("estimate --plot")
+    styles = ["-", "--", ":"]
+    for i, (level, rep) in enumerate(result["reports"].items()):
+        total = [(result["resident_bytes"] + rep.predict_peak(**{name: (b, *dims[1:])})) / 2**30 for b in batches]
+        best = result["max_batch"].get(level)
+        label = f"level {level}" + (f" (largest batch {best})" if best is not None else "")
+        ax.plot(batches, total, styles[i % 3], linewidth=2, label=label)
+    if cap:
+        ax.axhline(cap / 2**30, color="black", linestyle="-.", label=f"device {device}")
+        ax.set_ylim(0, 2 * cap / 2**30)  # the region that decides what fits
+    return save(fig, ax, path, "batch size", "memory (GiB): weights, optimizer state and step peak",
+                "fxmem estimate: training-step memory by batch size")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fxmem estimate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Predict a training step's memory per fxmem level, and the largest batch that fits a device, "
+                    "without running the model (planned on the meta device).")
+    p.add_argument("model", help="an HF config.json (or a folder holding one), or module:function returning the model")
+    p.add_argument("--batch", type=int, default=8, help="batch size")
+    p.add_argument("--seq", type=int, default=512, help="sequence length (text models)")
+    p.add_argument("--level", choices=["0", "1", "2", "all"], default="all", help="fxmem level(s) to plan")
+    p.add_argument("--device", default=None, help="device memory, e.g. 80GB or 24GiB: prints the largest batch")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw", help="optimizer state kept per weight")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' and activations' dtype")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="plot memory against batch size per level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    levels = LEVELS if a.level == "all" else (int(a.level),)
+
+    def log(msg: str) -> None:
+        print(f"[fxmem estimate] {msg}", file=sys.stderr, flush=True)
+
+    result = estimate(a.model, a.batch, a.seq, levels, a.device, a.optimizer, a.dtype, log)
+    if a.plot:
+        log(f"plot written to {plot(result, a.plot, a.device, a.batch)}")
+    if a.json:
+        print(json.dumps({k: result[k] for k in ("peak_bytes", "resident_bytes", "max_batch")}))
+    else:
+        print(table(result, a.device))
