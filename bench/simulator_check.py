@@ -28,7 +28,6 @@ from fxmem.remat.plan import plan
 from fxmem.remat.split import split
 from fxmem.remat.steppeak import StepPeak
 from fxmem.report.model import build as build_report
-from fxmem.report.publish import graph_peak
 from fxmem.testing.zoo import ZOO, zoo_build
 
 try:  # where the eager inner compiler's buffer reuse lives
@@ -69,7 +68,7 @@ def record() -> dict:
         for level in (0, 1, 2):
             for i, (g, opts) in enumerate(_graphs(name, level)):
                 key = f"{name}/L{level}/g{i}"
-                compiled = graph_peak(g)
+                compiled = g.peak()
                 out[f"{key}/compiled"] = {"saved_bytes": g.plan.saved_bytes, "graph_peak": compiled,
                                           **_report_numbers(g.report)}
                 joint = g.plan.problem.joint
