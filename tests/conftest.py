@@ -18,15 +18,6 @@ settings.register_profile("thorough", max_examples=2000, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# pytest-xdist (`-n 2`, what .ci/run uses): one torch thread per worker, so that two workers on two
-# cores do not oversubscribe them (tiny tests gain nothing from intra-op threads anyway).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start (README blocks, the CLI, workers)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     import torch._dynamo
