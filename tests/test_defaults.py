@@ -251,3 +251,21 @@ def test_default_options_lower_a_real_vocabulary_and_keep_the_gradients():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_dynamic_shapes_lower_the_fused_loss_and_the_norms():
+    """With ``dynamic=True`` Dynamo makes float attributes (LayerNorm's eps) symbolic, and its
+    tensorify pass restarts the compile to specialize them; the lowering's comparison must let that
+    restart through (it once took it for "the graph with it could not be planned" and left the
+    fused loss and every LayerNorm unlowered)."""
+    from fxmem.models import build
+
+    w = build("hf_gpt2", batch=2, seq=64, vocab=2048, d=64, layers=1, heads=2)
+    lowered = {}
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(w.model, backend="fxmem", options={"inner": "eager"}, dynamic=dynamic)
+        w.loss(fn(**w.batch)).backward()
+        lowered[dynamic] = {r.pattern for g in fxmem.report(fn).graphs for r in g.lowerings}
+    assert {"fused_linear_cross_entropy", "layer_norm"} <= lowered[True] & lowered[False], lowered

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from .. import inner
+from ..fallback import is_failure
 from ..options import Options
 from ..remat.budget import BudgetError
 from ..remat.partition import Partitioner, PlannedGraph
@@ -93,5 +94,7 @@ def trial(gm: fx.GraphModule, example_inputs: list[Any], settings: PlanSettings)
         except BudgetError:  # unmet: compare the plans the real compile falls back to (least peak)
             return planned(strict=False) if not settings.strict else None
     except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
+        if not is_failure(e):  # Dynamo's control flow (e.g. a restart to specialize a float) or the user's error
+            raise
         log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
         return None
