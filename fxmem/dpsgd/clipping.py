@@ -394,7 +394,7 @@ def clipped_grad(
             examples of weight 0: one compile serves every batch size, so Poisson-sampled
             batches never recompile), or "auto" (the largest m, at most the first batch's size,
             whose step fits in ``memory_budget``: predicted from two eager runs, checked by
-            measuring the compiled step; see ``auto.py``; ``.auto`` records it).
+            measuring the compiled step; see ``per_example/microbatch.py``; ``.auto`` records it).
         memory_budget: bytes (int, or "128MB", "1GiB"); required with "auto".
         return_norms: also return the per-example gradient norms before clipping, shape [B].
         return_losses: also return the per-example losses, shape [B].
