@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from .accounting import PrivacyAccountant, noise_multiplier_for
-from .clipping import check_clipping_norm, clipped_grad
+from .clipping import _compile_options, check_clipping_norm, clipped_grad
 from .functional import make_functional
 from .sampling import poisson_loader
 from .validate import validate
@@ -158,6 +158,7 @@ class DPOptimizer:
         self.accountant = accountant
         self.generator = generator
         self.secure_mode = secure_mode
+        self.noiseless_steps = 0  # steps with noise_multiplier 0 (not in the accountant: epsilon = inf)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["original_optimizer"], name)
@@ -187,14 +188,18 @@ class DPOptimizer:
     def step(self, closure=None):
         self.add_noise()
         out = self.original_optimizer.step(closure)
-        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        if self.noise_multiplier == 0:  # no privacy: epsilon is infinite from now on
+            self.noiseless_steps += 1
+        else:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none)
 
     def epsilon(self, delta: float) -> float:
-        return self.accountant.epsilon(delta)
+        """Epsilon spent at ``delta``; infinite after a step without noise."""
+        return math.inf if self.noiseless_steps else self.accountant.epsilon(delta)
 
     def __repr__(self) -> str:
         return (f"DPOptimizer({type(self.original_optimizer).__name__}, noise_multiplier="
@@ -230,6 +235,7 @@ class PrivacyEngine:
             raise ValueError(f"PrivacyEngine: secure_mode must be True or False, got {secure_mode!r}")
         self.accountant = PrivacyAccountant(accountant)
         self.secure_mode = secure_mode
+        self.optimizers: list[DPOptimizer] = []
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                      noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
@@ -252,6 +258,7 @@ class PrivacyEngine:
         C = check_clipping_norm(max_grad_norm, "make_private (max_grad_norm)")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"make_private: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        _compile_options(microbatch_size, memory_budget, options)  # checked now, not at the first backward
         if strict:
             validate(module, raise_errors=True)
         trainable = {id(p) for p in module.parameters() if p.requires_grad}
@@ -272,6 +279,7 @@ class PrivacyEngine:
             local = poisson_loader(local, steps=len(local), generator=sampler_gen)
         private = PrivateModule(module, C, expected, loss_reduction, microbatch_size, memory_budget, options)
         dp_opt = DPOptimizer(optimizer, private, sigma, sample_rate, self.accountant, generator, self.secure_mode)
+        self.optimizers.append(dp_opt)
         return private, dp_opt, local
 
     def make_private_with_epsilon(self, *, target_epsilon: float, target_delta: float, epochs: int,
@@ -288,6 +296,9 @@ class PrivacyEngine:
         return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
 
     def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent at ``delta``; infinite after a step without noise."""
+        if any(o.noiseless_steps for o in self.optimizers):
+            return math.inf
         return self.accountant.epsilon(delta)
 
     def state_dict(self) -> dict:
