@@ -13,6 +13,7 @@ from torch.func import functional_call, grad
 from torch.utils.data import DataLoader, TensorDataset
 
 from fxmem.dpsgd import PrivacyEngine, UnsupportedModuleError, epsilon, fix, make_private, validate
+from fxmem.dpsgd.rnn import LoopRNN
 
 EAGER = {"inner": "eager"}
 C = 0.5
@@ -28,9 +29,10 @@ def _data(n: int = 20):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def clipped_mean_f64(model: nn.Module, x, y, expected: int, reduction: str = "mean") -> dict:
-    """sum_i min(1, C/||g_i||) g_i / expected, g_i the gradient of example i's loss, in float64."""
-    m64 = _model()
+def clipped_mean_f64(model: nn.Module, x, y, expected: int, make=_model) -> dict:
+    """sum_i min(1, C/||g_i||) g_i / expected, g_i the gradient of example i's loss, in float64
+    (on a copy built by ``make()`` with ``model``'s state)."""
+    m64 = make()
     m64.load_state_dict(model.state_dict())
     m64 = m64.double()
     params = {k: v.detach() for k, v in m64.named_parameters()}
@@ -161,7 +163,7 @@ def test_batchnorm_is_named_with_groupnorm_and_fix_replaces_it():
     assert isinstance(fixed[1], nn.GroupNorm) and fixed[1].num_groups == 8 and fixed[1].num_channels == 8
     assert isinstance(model[1], nn.BatchNorm2d)  # the original is kept
     assert validate(fixed) == []
-    assert "GRU" in str(validate(nn.GRU(3, 4))[0])
+    assert "GRU" in str(validate(nn.GRU(3, 4))[0]) and isinstance(fix(nn.GRU(3, 4)), LoopRNN)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -179,3 +181,37 @@ def test_bad_arguments_raise_naming_them(kwargs, name):
                 data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
     with pytest.raises(ValueError, match=name):
         make_private(**{**args, **kwargs})
+
+
+class _Recurrent(nn.Module):
+    """A plain nn.RNN/GRU/LSTM (2 layers, both directions, batch_first) and a linear head."""
+
+    def __init__(self, cls, **kwargs):
+        super().__init__()
+        self.rnn = cls(4, 5, num_layers=2, bidirectional=True, batch_first=True, **kwargs)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, kwargs", [(nn.RNN, {"nonlinearity": "relu"}), (nn.GRU, {}), (nn.LSTM, {})])
+def test_plain_recurrent_layers_give_the_clipped_mean_in_chunks_of_3(cls, kwargs):
+    torch.manual_seed(0)
+    model = _Recurrent(cls, **kwargs)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(7, 5, 4, generator=g), torch.randint(0, 3, (7,), generator=g)
+    pm, _, _ = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=0.0,
+                            max_grad_norm=C, microbatch_size=3, options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs unchunked" warning
+        F.cross_entropy(pm(x), y).backward()
+    assert pm._grad_fns[1].chosen_microbatch_size() == 3
+    ref = _Recurrent(cls, **kwargs)
+    ref.load_state_dict(start)
+    want = clipped_mean_f64(ref, x, y, expected=4, make=lambda: _Recurrent(cls, **kwargs))
+    for k, p in model.named_parameters():
+        assert (p.grad.double() - want[k]).abs().max() <= 1e-4, k

@@ -34,11 +34,13 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.utils.data import DataLoader, Subset
 
 from .accounting import PrivacyAccountant, noise_multiplier_for
 from .clipping import _compile_options, check_clipping_norm, clipped_grad
 from .functional import make_functional
+from .rnn import shadow
 from .sampling import poisson_loader
 from .validate import validate
 
@@ -92,7 +94,9 @@ class PrivateModule(nn.Module):
         self.max_grad_norm = max_grad_norm
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
-        self._fn, self._trainable, self._frozen = make_functional(module)
+        _, self._trainable, self._frozen = make_functional(module)
+        self._shadow = shadow(module)  # RNNs as their cell loops, every tensor shared (rnn.py)
+        self._pairs = list(zip(module.modules(), self._shadow.modules()))
         self._clip_args = dict(microbatch_size=microbatch_size, memory_budget=memory_budget,
                                options=dict(options or {}))
         self._grad_fns: dict[int, Any] = {}
@@ -118,10 +122,11 @@ class PrivateModule(nn.Module):
     def _grad_fn(self, n_inputs: int):
         """The compiled clipped sum for ``n_inputs`` batch tensors (one per arity)."""
         if n_inputs not in self._grad_fns:
-            fn = self._fn
+            model = self._shadow
 
             def example_loss(trainable, frozen, v, *xs):  # <model(x_i), v_i>: its grad is row i's vjp
-                return (fn(trainable, frozen, *[x[None] for x in xs]) * v[None]).sum()
+                out = functional_call(model, {**frozen, **trainable}, tuple(x[None] for x in xs))
+                return (out * v[None]).sum()
 
             self._grad_fns[n_inputs] = clipped_grad(
                 example_loss, self.max_grad_norm, batch_argnums=tuple(range(2, 3 + n_inputs)),
@@ -130,6 +135,8 @@ class PrivateModule(nn.Module):
 
     def _accumulate(self, grad_out: torch.Tensor, inputs: tuple) -> None:
         batch = grad_out.shape[0]
+        for orig, sh in self._pairs:  # train()/eval() since make_private
+            sh.training = orig.training
         v = grad_out.contiguous() * (batch if self.loss_reduction == "mean" else 1)
         sums = self._grad_fn(len(inputs))(self._trainable, self._frozen, v.detach(), *inputs)
         if self.dist is not None:
@@ -260,7 +267,7 @@ class PrivacyEngine:
             raise ValueError(f"make_private: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         _compile_options(microbatch_size, memory_budget, options)  # checked now, not at the first backward
         if strict:
-            validate(module, raise_errors=True)
+            validate(shadow(module), raise_errors=True)  # RNNs are differentiated as their loops
         trainable = {id(p) for p in module.parameters() if p.requires_grad}
         if not trainable or any(id(p) not in trainable for g in optimizer.param_groups for p in g["params"]
                                 if p.requires_grad):

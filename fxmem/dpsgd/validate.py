@@ -13,8 +13,9 @@ clipped, noised gradient to leave the training data:
   parameters);
 - InstanceNorm with ``track_running_stats=True``: the running statistics leak the same way:
   ``fix`` turns the tracking off;
-- ``nn.RNN``/``nn.GRU``: their fused ``_VF`` kernels cannot run under ``vmap`` (no per-example
-  gradient at all): write the loop over ``nn.RNNCell``/``nn.GRUCell`` instead.
+- ``nn.RNN``/``nn.GRU``/``nn.LSTM``: their fused ``_VF`` kernels cannot run under ``vmap`` (RNN,
+  GRU) or break the Dynamo graph (LSTM): ``fix`` replaces them by :class:`~fxmem.dpsgd.rnn.LoopRNN`
+  (their cell loops, same parameters); ``make_private`` differentiates such a loop copy itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import copy
 
 from torch import nn
+
+from .rnn import LoopRNN
 
 __all__ = ["UnsupportedModuleError", "fix", "validate"]
 
@@ -38,9 +41,10 @@ def _problem(module: nn.Module) -> str | None:
     if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
         return (f"{kind} with track_running_stats=True keeps running statistics of the data: use "
                 "track_running_stats=False (fix() turns it off)")
-    if isinstance(module, (nn.RNN, nn.GRU)):
-        return (f"{kind} runs as one fused kernel that vmap cannot batch per example: write the loop "
-                f"over nn.{kind}Cell instead (no automatic fix)")
+    if type(module) in (nn.RNN, nn.GRU, nn.LSTM):
+        return (f"{kind} runs as one fused kernel that vmap cannot batch per example (or Dynamo cannot "
+                "trace): fix() replaces it by its cell loop on the same parameters (LoopRNN); "
+                "make_private does that itself")
     return None
 
 
@@ -67,6 +71,8 @@ def _fixed(module: nn.Module) -> nn.Module | None:
             gn.bias.data.copy_(module.bias.data)
         ref = next(iter([*module.parameters(), *module.buffers()]), None)
         return gn if ref is None else gn.to(ref.device)
+    if type(module) in (nn.RNN, nn.GRU, nn.LSTM):
+        return LoopRNN(module)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
         out = copy.deepcopy(module)
         out.track_running_stats = False
@@ -78,7 +84,7 @@ def _fixed(module: nn.Module) -> nn.Module | None:
 def fix(module: nn.Module) -> nn.Module:
     """A copy of ``module`` with every fixable problem of :func:`validate` fixed (BatchNorm ->
     GroupNorm with ``min(32, C)`` groups, or the largest count dividing C; InstanceNorm without
-    running statistics). The original is not modified."""
+    running statistics; RNN/GRU/LSTM -> LoopRNN). The original is not modified."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"fix: module must be a torch.nn.Module, got {type(module).__name__}")
     out = copy.deepcopy(module)
