@@ -158,13 +158,9 @@ class DPOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule, noise_multiplier: float,
                  sample_rate: float, accountant: PrivacyAccountant, generator: torch.Generator | None,
                  secure_mode: bool):
-        self.original_optimizer = optimizer
-        self.module = module
-        self.noise_multiplier = noise_multiplier
-        self.sample_rate = sample_rate
-        self.accountant = accountant
-        self.generator = generator
-        self.secure_mode = secure_mode
+        self.original_optimizer, self.module, self.accountant = optimizer, module, accountant
+        self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
+        self.generator, self.secure_mode = generator, secure_mode
         self.noiseless_steps = 0  # steps with noise_multiplier 0 (not in the accountant: epsilon = inf)
 
     def __getattr__(self, name: str) -> Any:
