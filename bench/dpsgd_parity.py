@@ -1,4 +1,5 @@
-"""make_private on the 5M GPT (bench/dpsgd_models.py), the Opacus user's loop unchanged, on one
+"""make_private on the 5.3M GPT (bench/dpsgd_models.py's GPT at vocab 4096, d 256, 4 layers,
+4 heads, sequence 64: bench/gpu.py's DP shape), the Opacus user's loop unchanged, on one
 process or on 2 gloo ranks: loss, epsilon and step time per step, written in the results
 contract format to ``bench/results/dpsgd-parity.json`` (and the table beside it).
 
@@ -31,6 +32,7 @@ from bench.dpsgd_models import GPT
 
 OUT = Path(__file__).with_name("results") / "dpsgd-parity"
 DELTA = 1e-5
+SHAPE = dict(vocab=4096, d=256, layers=4, heads=4, max_seq=64)
 
 
 class LM(GPT):
@@ -56,7 +58,7 @@ def train(rank: int, world: int, args, port: int, out: dict) -> list[dict]:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        model = LM()
+        model = LM(**SHAPE)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, 4096, (args.dataset, 64), generator=g)
         loader = DataLoader(TensorDataset(ids), batch_size=args.batch // world)
@@ -116,7 +118,7 @@ def main() -> None:
         rows = got[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    case = f"gpt5m/make_private/world{args.world}/b{args.batch}xs64/m{args.microbatch}/{args.inner}"
+    case = f"gpt5.3m/make_private/world{args.world}/b{args.batch}xs64/m{args.microbatch}/{args.inner}"
     path = OUT.with_suffix(".json")
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     kept = [r for r in old["rows"] if r["case"] != case]
@@ -126,7 +128,9 @@ def main() -> None:
     meta = dict(commit=commit, date_utc=now, command=f"python -m bench.dpsgd_parity --steps {args.steps} "
                 f"--world {args.world} --batch {args.batch} --microbatch {args.microbatch} --inner {args.inner}",
                 machine=platform.platform(), torch=torch.__version__, load=os.getloadavg(),
-                noise_multiplier=args.noise, delta=DELTA, dataset=args.dataset)
+                noise_multiplier=args.noise, delta=DELTA, dataset=args.dataset, shape=SHAPE,
+                params=sum(p.numel() for p in LM(**SHAPE).parameters()),
+                note="batch = rank 0's Poisson batch; loss = rank 0's batch mean")
     path.write_text(json.dumps({"study": "dpsgd-parity", "meta": meta, "rows": kept + new}, indent=1) + "\n")
     lines = ["| case | metric | value |", "|---|---|---|"]
     lines += [f"| {r['case']} | {r['metric']} | {r['value']:.4g} |" for r in kept + new]
