@@ -11,7 +11,7 @@ weight tying), batch 32, sequence 64, C = 1, side by side in one process:
 - opake: ``opake.dpsgd.clipping.clipped_grad(..., microbatch_size=8)``;
 - hand loop: ``vmap(grad(loss))`` over chunks of 8, per-example norms, clip, sum, by hand (eager);
 - fxmem auto: ``microbatch_size="auto"`` under each ``memory_budget`` (64, 128, 256 MB): the
-  choice of fxmem/dpsgd/auto.py (two eager runs predict, one or two compiles are measured).
+  choice of fxmem/per_example/microbatch.py (two eager runs predict, one or two compiles are measured).
 
 Every variant's clipped sum is checked against the hand loop (relative error per parameter:
 max |a - b| / max |b|). Peak = exact peak of one step above what was live before it (CPU:
@@ -152,7 +152,7 @@ def run(args) -> tuple[list[dict], dict]:
             row["microbatch"] = fn.chosen_microbatch_size()
             plan = fn.plans[-1] if fn.plans else None
             row["plan"] = plan.summary() if plan is not None else None
-            if v["kind"] == "auto" and fn.auto is not None:  # fxmem/dpsgd/auto.py's record
+            if v["kind"] == "auto" and fn.auto is not None:  # microbatch.AutoChoice
                 row["auto"] = dataclasses.asdict(fn.auto)
         else:
             row["microbatch"] = v["microbatch"]

@@ -1,5 +1,15 @@
 """DP-SGD with fxmem: clipped per-example gradients compiled with microbatching, noise, accounting.
 
+Opacus' API on a plain loop (``private.py``)::
+
+    model, optimizer, loader = make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                            noise_multiplier=1.1, max_grad_norm=1.0)
+    for x, y in loader:
+        optimizer.zero_grad(); criterion(model(x), y).backward(); optimizer.step()
+    optimizer.accountant.epsilon(1e-5)
+
+The functional API underneath:
+
     from fxmem.dpsgd import clipped_grad, make_functional, add_noise, PrivacyAccountant
 
     fn, trainable, frozen = make_functional(model)               # only requires_grad params train
@@ -27,22 +37,32 @@ from .accounting import ACCOUNTANTS, PrivacyAccountant, epsilon, noise_multiplie
 from .clipping import ClippedGradFn, clip_factor, clipped_grad
 from .functional import make_functional
 from .noise import add_noise
+from .private import DPOptimizer, PrivacyEngine, PrivateModule, make_private, make_private_with_epsilon
 from .sampling import PoissonSampler, poisson_loader
 from .training import DPSGD, StepLog, train
+from .validate import UnsupportedModuleError, fix, validate
 
 __all__ = [
     "ACCOUNTANTS",
     "ClippedGradFn",
+    "DPOptimizer",
     "DPSGD",
     "PoissonSampler",
     "StepLog",
     "PrivacyAccountant",
+    "PrivacyEngine",
+    "PrivateModule",
+    "UnsupportedModuleError",
     "add_noise",
     "clip_factor",
     "clipped_grad",
     "epsilon",
+    "fix",
     "make_functional",
+    "make_private",
+    "make_private_with_epsilon",
     "noise_multiplier_for",
     "poisson_loader",
     "train",
+    "validate",
 ]

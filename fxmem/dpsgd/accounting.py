@@ -89,6 +89,22 @@ class PrivacyAccountant:
             return 0.0
         return float(self.opacus.get_epsilon(delta=d, **kwargs))
 
+    def state_dict(self) -> dict:
+        """The accounting so far (plain data: the mechanism and opacus' history of
+        ``(noise_multiplier, sample_rate, steps)``), for a checkpoint."""
+        return {"accountant": self.accountant, "history": [list(h) for h in self.opacus.history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict` (the same mechanism only: histories do not convert)."""
+        if not isinstance(state, dict) or set(state) != {"accountant", "history"}:
+            raise ValueError(f"load_state_dict: expected a PrivacyAccountant.state_dict(), got {state!r}")
+        if state["accountant"] != self.accountant:
+            raise ValueError(f"load_state_dict: the state is a {state['accountant']!r} accountant's, this is "
+                             f"{self.accountant!r}")
+        history = [(_number("noise_multiplier", s, 0.0, math.inf, high_open=True),
+                    _number("sample_rate", q, 0.0, 1.0), _steps(n)) for s, q, n in state["history"]]
+        self.opacus.history[:] = history
+
     def __repr__(self) -> str:
         return f"PrivacyAccountant({self.accountant!r}, steps={self.steps})"
 

@@ -37,7 +37,7 @@ from torch.func import grad_and_value, vmap
 from torch.utils import _pytree as pytree
 
 from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
-from . import auto, chunks
+from ..per_example import microbatch
 
 __all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
 
@@ -64,17 +64,8 @@ def check_clipping_norm(value: Any, where: str = "clipped_grad") -> float:
     return float(value)
 
 
-def _microbatch(value: Any) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"clipped_grad: microbatch_size must be None, a positive int or 'auto', "
-                         f"got {value!r}")
-    return value
-
-
 def _compile_options(microbatch_size, memory_budget, options) -> dict[str, Any]:
-    from ..options import parse_budget, parse_bytes, resolve
+    from ..options import resolve
 
     if options is None:
         options = {}
@@ -83,24 +74,13 @@ def _compile_options(microbatch_size, memory_budget, options) -> dict[str, Any]:
     for key in ("microbatch_size", "memory_budget"):
         if key in options:
             raise ValueError(f"clipped_grad: pass {key} as clipped_grad's own argument, not in options")
-    if microbatch_size == "auto":
-        if memory_budget is None:
-            raise ValueError("clipped_grad: microbatch_size='auto' needs memory_budget (bytes, e.g. "
-                             "'128MB'): the largest microbatch whose step fits in it is chosen")
-        try:
-            parse_bytes(memory_budget, "memory_budget")
-        except ValueError as e:
-            raise ValueError(f"clipped_grad: {e}") from None
-    elif memory_budget is not None:
-        try:
-            parse_budget(memory_budget, "memory_budget")
-        except ValueError as e:
-            raise ValueError(f"clipped_grad: {e}") from None
     merged = {**options, "microbatch_size": microbatch_size}
     if memory_budget is not None:
         merged["memory_budget"] = memory_budget
     try:
-        resolve(merged)  # every option checked now, not at the first call
+        resolved = resolve(merged)  # every option checked now, not at the first call
+        if resolved.microbatch_size == "auto":
+            microbatch.auto_budget(resolved.memory_budget)
     except ValueError as e:
         raise ValueError(f"clipped_grad: {e}") from None
     return merged
@@ -176,7 +156,7 @@ def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...]
                batch_argnums: tuple[int, ...], return_norms: bool, return_losses: bool,
                weighted: bool = False):
     """The compiled step. ``weighted``: its last argument is the examples' weights ``[B]`` (see
-    ``chunks.py``); they pass through the ``vmap`` (as the loss's aux value) so that the
+    ``per_example/microbatch.py``); they pass through the ``vmap`` (as the loss's aux value) so that the
     per-example pass sees them as per-example values, and scale the clip factors."""
     def loss_and_weight(*args):
         return loss_fn(*args[:-1]), args[-1]
@@ -228,11 +208,11 @@ class ClippedGradFn:
         grad_argnums = argnums[0] if len(argnums) == 1 else argnums
         self._grad_argnums = grad_argnums
         # An int microbatch (or "auto", once it has chosen one): the compiled step always sees
-        # exactly that many examples (the last chunk padded, see chunks.py), so every batch
+        # exactly that many examples (the last chunk padded, see per_example/microbatch.py), so every batch
         # size runs on one compile.
         self._fixed = microbatch_size is not None
         self._m = microbatch_size if isinstance(microbatch_size, int) else None
-        self.auto: auto.AutoChoice | None = None  # what "auto" decided (auto.py)
+        self.auto: microbatch.AutoChoice | None = None  # what "auto" decided
         self._step = _make_step(loss_fn, clipping_norm, grad_argnums, batch_argnums,
                                 return_norms, return_losses, weighted=self._fixed)
         ignore_once_warnings()  # HF's logger.warning_once would split the vmap region
@@ -304,10 +284,9 @@ class ClippedGradFn:
         the real examples."""
         m = self._m
         device = self._batch_tensor(args).device
-        acc, spec = chunks.Accumulator(), None
-        for start in chunks.starts(batch, m):
-            size = min(m, batch - start)
-            chunk_args, weights = chunks.pad(args, self.batch_argnums, start, size, m, device)
+        acc, spec = microbatch.Accumulator(), None
+        for start, size in microbatch.spans(batch, m):
+            chunk_args, weights = microbatch.pad(args, self.batch_argnums, start, size, m, device)
             out = self.compiled(*chunk_args, weights)
             leaves, spec = pytree.tree_flatten(out[0])
             acc.add(leaves, out[1:], size)
@@ -326,37 +305,39 @@ class ClippedGradFn:
 
     def _choose(self, args, batch: int) -> None:
         """``microbatch_size="auto"``: the largest chunk size (at most this first batch's size)
-        whose step fits ``memory_budget`` (auto.py), chosen once and kept."""
-        from ..options import parse_bytes
+        whose compiled step fits ``memory_budget``, chosen once and kept. The search
+        (``microbatch.choose``) starts where the line through the uncompiled step's peaks on 1
+        and 2 examples crosses the budget (eager keeps every per-example gradient, so the line
+        over-estimates and its size is safe), and measures at most two compiled sizes: each
+        measurement is a compile; a first one within 25% of the budget is kept."""
         from ..profiling import step_perf
 
         device = self._batch_tensor(args).device
+        sums = sum(t.numel() * 4 for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor))
 
-        def peak(run: Callable) -> int:
+        def peak(m: int, step: Callable, warm_up: bool) -> int:
+            chunk, w = microbatch.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
+            if warm_up:
+                step(*chunk, w)  # compiles; first-call allocations are not the step's
             with step_perf(device) as perf:
-                out = run()
+                out = step(*chunk, w)
             del out
             return perf.result.peak_bytes
 
-        def eager_peak(m: int) -> int:
-            chunk, w = chunks.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
-            return peak(lambda: self._step(*chunk, w))
-
         def compile_and_measure(m: int) -> int:
             self._m, self.compiled = m, self._compile_at(m)
-            chunk, w = chunks.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
-            self.compiled(*chunk, w)  # compiles; first-call allocations are not the step's
             # a chunk after the first runs beside the running float32 sums
-            return peak(lambda: self.compiled(*chunk, w)) + sums
+            return peak(m, self.compiled, warm_up=True) + sums
 
-        sums = sum(t.numel() * 4 for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor))
-        self.auto = auto.choose(parse_bytes(self.memory_budget, "memory_budget"), batch, sums, eager_peak,
-                                compile_and_measure)
-        self._m, self.compiled = self.auto.chosen, self._compile_at(self.auto.chosen)
-        if self.auto.measured[self._m] > self.auto.budget:
-            warnings.warn(f"fxmem clipped_grad: microbatch_size='auto' found no size within memory_budget "
-                          f"{self.auto.budget} bytes; using {self._m} (measured {self.auto.measured[self._m]})",
-                          RuntimeWarning, stacklevel=3)
+        c = self.auto = microbatch.AutoChoice(microbatch.auto_budget(self.memory_budget), batch)
+        c.eager = {m: peak(m, self._step, warm_up=False) for m in (1, 2)}
+        slope = max(c.eager[2] - c.eager[1], 1)
+        base = c.eager[1] - slope + sums
+        first = int(min(batch, max(1, (c.budget - base) // slope)))
+        c.predicted[first] = int(base + slope * first)
+        microbatch.choose(c, compile_and_measure, (first,), max_measures=2, tolerance=0.25,
+                          what="fxmem clipped_grad")
+        self._m, self.compiled = c.chosen, self._compile_at(c.chosen)
 
     def _diff_args(self, args):
         return args[self._grad_argnums] if isinstance(self._grad_argnums, int) else \
@@ -413,7 +394,7 @@ def clipped_grad(
             examples of weight 0: one compile serves every batch size, so Poisson-sampled
             batches never recompile), or "auto" (the largest m, at most the first batch's size,
             whose step fits in ``memory_budget``: predicted from two eager runs, checked by
-            measuring the compiled step; see ``auto.py``; ``.auto`` records it).
+            measuring the compiled step; see ``per_example/microbatch.py``; ``.auto`` records it).
         memory_budget: bytes (int, or "128MB", "1GiB"); required with "auto".
         return_norms: also return the per-example gradient norms before clipping, shape [B].
         return_losses: also return the per-example losses, shape [B].
@@ -433,7 +414,7 @@ def clipped_grad(
     if overlap:
         raise ValueError(f"clipped_grad: argnums={argnums!r} and batch_argnums={batch_argnums!r} "
                          f"overlap at {sorted(overlap)}: differentiated arguments have no batch dim")
-    mb = _microbatch(microbatch_size)
+    mb = microbatch_size  # checked with every other option in _compile_options
     for name, flag in (("return_norms", return_norms), ("return_losses", return_losses)):
         if not isinstance(flag, bool):
             raise ValueError(f"clipped_grad: {name} must be True or False, got {flag!r}")

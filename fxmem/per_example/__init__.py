@@ -1,5 +1,5 @@
 """Per-example (``vmap(grad(...))``) regions: find them, prove what follows them is per example
-or a batch sum, and run them in microbatches (``options={"microbatch_size": m | "auto"}``)."""
+or a batch sum, and run them in microbatches (``options={"microbatch_size": m | "auto"}``, ``microbatch.py``)."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +8,10 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..options import OptionError
 from ..warn import warn
 from .chunk import split_region
 from .flat import Ghost, plan_flat
+from .microbatch import auto_budget
 from .regions import Unsupported, find_regions
 from .run import ChunkedStep, ChunkPlan
 
@@ -48,10 +48,7 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
             raise Unsupported("inputs require grad and grad mode is on: the chunked step has no "
                               "outer backward; call it under torch.no_grad() or detach the inputs")
         if options.microbatch_size == "auto":
-            if not isinstance(options.memory_budget, int):
-                raise OptionError("option 'microbatch_size': 'auto' needs memory_budget in bytes "
-                                 f"(an int or a string such as '128MB'), got {options.memory_budget!r}")
-            plan.memory_budget = options.memory_budget
+            plan.memory_budget = auto_budget(options.memory_budget)
         elif not whole_batch:
             plan.microbatch_size = options.microbatch_size
         plan.whole_batch = whole_batch

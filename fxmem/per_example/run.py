@@ -1,7 +1,7 @@
 """Run a split per-example graph: the outer graph once, the chunk graph over the batch in
-microbatches (sums accumulated in fp32), the rest once. ``microbatch_size="auto"`` measures the
-chunk graph's peak at two sizes, fits ``peak(m) = a + b*m`` and takes the largest m that fits
-the budget, then checks that m by measurement."""
+microbatches (``microbatch.py``: sums accumulated in fp32), the rest once.
+``microbatch_size="auto"`` measures whole steps' peaks (exact) at the sizes ``microbatch.choose``
+asks for and takes the largest m that fits the budget."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..profiling import step_perf
+from . import microbatch
 from .chunk import RegionSplit
 
 log = logging.getLogger("fxmem")
@@ -48,31 +49,6 @@ class ChunkPlan:
                     fused_sums=self.fused_sums, fused_norms=self.fused_norms,
                     chunked=self.chunked, reason=self.reason, whole_batch=self.whole_batch,
                     ghost=[d.summary() for d in self.ghost])
-
-
-def _interpolate(points: dict[int, int], m: int) -> int:
-    """Peak at m from measured ``points``: exact where measured, else on the line through the
-    two nearest measured sizes."""
-    if m in points:
-        return points[m]
-    near = sorted(points, key=lambda k: (abs(k - m), k))[:2]
-    if len(near) < 2:
-        return points[near[0]]
-    (m1, p1), (m2, p2) = sorted((k, points[k]) for k in near)
-    return int(p1 + (p2 - p1) * (m - m1) / (m2 - m1))
-
-
-def _solve(points: dict[int, int], budget: int) -> int:
-    """The largest m the line through the measurements around the budget says fits."""
-    below = max((m for m, p in points.items() if p <= budget), default=1)
-    above = [m for m, p in points.items() if p > budget]
-    m2 = min(above) if above else max(points)
-    m1 = below if m2 != below else min(points)
-    if m1 == m2:
-        return below + 1
-    p1, p2 = points[m1], points[m2]
-    slope = (p2 - p1) / (m2 - m1)
-    return int(m1 + (budget - p1) // slope) if slope > 0 else 1 << 30
 
 
 def _signature(inputs: list) -> tuple:
@@ -125,34 +101,14 @@ class ChunkedStep:
 
     def _choose(self, env: dict) -> int:
         """The largest m whose measured step peak fits the budget, with m + 1 measured over it
-        (or m = the batch). Peaks are measured (exact) at a few sizes; the next size to try is
-        read off the line through the nearest measurements (peaks grow about linearly in m, but
-        not exactly: ghost norms and allocator effects bend the line), then bracketed."""
-        plan, B = self.plan, self._batch(env)
-        budget = plan.memory_budget
-
-        def measure(m: int) -> int:
-            if m not in plan.measured:
-                plan.measured[m] = self._step_peak(env, m)
-            return plan.measured[m]
-
-        plan.predicted_peak = lambda m: _interpolate(plan.measured, m)
-        if measure(1) > budget:
-            raise MemoryError(f"fxmem: memory_budget {budget} bytes is below the peak of one example "
-                              f"at a time ({plan.measured[1]} bytes measured); the smallest feasible "
-                              f"budget is {plan.measured[1]}")
-        measure(min(B, 4))
-        while True:
-            fits = [m for m, p in plan.measured.items() if p <= budget]
-            over = [m for m, p in plan.measured.items() if p > budget]
-            lo, hi = max(fits), min(over, default=B + 1)
-            if hi - lo <= 1:
-                break
-            guess = _solve(plan.measured, budget)  # where the line through the nearest points crosses
-            measure(min(max(guess, lo + 1), hi - 1))
+        (or m = the batch): ``microbatch.choose`` from m = 1 and 4, every size measured exactly."""
+        plan = self.plan
+        choice = microbatch.AutoChoice(plan.memory_budget, self._batch(env), measured=plan.measured)
+        plan.predicted_peak = choice.peak
+        m = microbatch.choose(choice, lambda m: self._step_peak(env, m), (1, min(choice.max_size, 4)))
         log.info("fxmem per-example: microbatch_size=auto chose %d of %d (budget %d bytes, "
-                 "measured peak %d)", lo, B, budget, plan.measured[lo])
-        return lo
+                 "measured peak %d)", m, choice.max_size, choice.budget, plan.measured[m])
+        return m
 
     def _batch(self, env: dict) -> int:
         """This call's batch size, read off a batched input (dynamic graphs vary it)."""
@@ -160,26 +116,15 @@ class ChunkedStep:
         return env[name].shape[dim]
 
     def _loop(self, env: dict, m: int, run: Callable) -> dict:
-        split, B = self.split, self._batch(env)
-        acc: list = [None] * len(split.partials)
-        parts: list[list] = [[] for _ in split.chunk_batched_outputs]
-        for start in range(0, B, m):
-            size = min(m, B - start)
+        split, n = self.split, len(self.split.partials)
+        acc = microbatch.Accumulator([dim for _, dim in split.chunk_batched_outputs])
+        for start, size in microbatch.spans(self._batch(env), m):
             outs = run(size, self._inputs(env, start, size))
-            for i, p in enumerate(outs[:len(acc)]):
-                if acc[i] is None:
-                    acc[i] = p.to(torch.promote_types(p.dtype, torch.float32), copy=True)
-                else:
-                    acc[i].add_(p)
-            for j, t in enumerate(outs[len(acc):]):
-                parts[j].append(t)
+            acc.add(outs[:n], outs[n:], size)
             del outs
-        result = {}
-        for name, a, dtype in zip(split.partials, acc, split.partial_dtypes):
-            result[name] = a.to(dtype)
-        for (name, dim), ts in zip(split.chunk_batched_outputs, parts):
-            result[name] = torch.cat(ts, dim)
-        return result
+        sums, parts = acc.result(split.partial_dtypes)
+        return {**dict(zip(split.partials, sums)),
+                **{name: t for (name, _), t in zip(split.chunk_batched_outputs, parts)}}
 
     def __call__(self, *args):
         split = self.split

@@ -1,0 +1,330 @@
+"""``make_private``: Opacus' ``PrivacyEngine.make_private`` API on fxmem's compiled per-example
+chunks, so that a plain PyTorch loop trains with DP-SGD unchanged:
+
+    model, optimizer, loader = make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                            noise_multiplier=1.1, max_grad_norm=1.0)
+    for x, y in loader:                       # Poisson-sampled batches (sizes vary, 0 included)
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)         # criterion with reduction="mean" (or loss_reduction="sum")
+        loss.backward()                       # .grad = sum_i clip(g_i) / expected batch size
+        optimizer.step()                      # + N(0, (sigma C / expected batch size)^2), accounted
+    optimizer.accountant.epsilon(delta=1e-5)
+
+How: the wrapped module's forward runs the model without autograd and returns its output as
+the output of an autograd Function; that Function's backward gets ``dL/d output`` ([B, ...]),
+and the per-example gradient of example i is the vector-Jacobian product of the model's
+output at example i with row i of it (times B for a mean-reduced loss: Opacus' rescaling). So
+``backward`` calls :func:`clipped_grad` on the per-example "loss" ``<model(x_i), v_i>``: the
+per-example region runs in fxmem's compiled chunks (ghost norms where they apply) and only the
+clipped sum ever reaches ``.grad``. The forward therefore runs twice (once for the loss, once
+inside the chunks), as Opacus' ghost clipping runs the backward twice.
+
+Under ``torch.distributed`` (initialized when ``make_private`` is called) each rank Poisson-
+samples its own shard of the dataset, the clipped sums are all-reduced (SUM) in backward, the
+expected batch size is the global one, and the noise is drawn on rank 0 and broadcast, so
+every rank applies the same noisy gradient (one draw of noise per step, as a single process).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader, Subset
+
+from .accounting import PrivacyAccountant, noise_multiplier_for
+from .clipping import _compile_options, check_clipping_norm, clipped_grad
+from .functional import make_functional
+from .rnn import shadow
+from .sampling import poisson_loader
+from .validate import validate
+
+__all__ = ["DPOptimizer", "PrivacyEngine", "PrivateModule", "make_private", "make_private_with_epsilon"]
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded with 63 bits from the operating system's CSPRNG (``secrets``): no seed
+    an attacker can guess or replay. (Opacus draws every number from torchcsprng's
+    ``/dev/urandom`` generator instead; see docs/per-example.md.)"""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+
+def _distributed() -> tuple[int, int] | None:
+    """(rank, world size) when a process group is up, else None."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return None
+
+
+class _PrivateOutput(torch.autograd.Function):
+    """Identity on the model's output; its backward turns ``dL/d output`` into the clipped
+    per-example gradient sum on the parameters' ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, owner: "PrivateModule", anchor: torch.Tensor, out: torch.Tensor, *inputs):
+        ctx.owner, ctx.inputs = owner, inputs
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        ctx.owner._accumulate(grad_out, ctx.inputs)
+        return (None,) * (3 + len(ctx.inputs))
+
+
+class PrivateModule(nn.Module):
+    """The module :func:`make_private` returns (Opacus' ``GradSampleModule``): called on a batch
+    of tensors (dim 0 the batch) with autograd on, its output's backward leaves
+    ``sum_i clip(grad of example i) / expected_batch_size`` on each trainable parameter's
+    ``.grad`` (added to what is there, as autograd does). Under ``torch.no_grad()`` it is the
+    plain module. ``_module`` is the user's module."""
+
+    def __init__(self, module: nn.Module, max_grad_norm: float, expected_batch_size: int,
+                 loss_reduction: str, microbatch_size: int | str | None, memory_budget,
+                 options: Mapping[str, Any] | None):
+        super().__init__()
+        self._module = module
+        self.max_grad_norm = max_grad_norm
+        self.expected_batch_size = expected_batch_size
+        self.loss_reduction = loss_reduction
+        _, self._trainable, self._frozen = make_functional(module)
+        self._shadow = shadow(module)  # RNNs as their cell loops, every tensor shared (rnn.py)
+        self._pairs = list(zip(module.modules(), self._shadow.modules()))
+        self._clip_args = dict(microbatch_size=microbatch_size, memory_budget=memory_budget,
+                               options=dict(options or {}))
+        self._grad_fns: dict[int, Any] = {}
+        self._anchor = torch.zeros((), requires_grad=True)  # puts the output on the autograd graph
+        self.dist = _distributed()
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self._module(*inputs)
+        if not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
+            raise ValueError("make_private: the private module takes its batch as positional tensors "
+                             f"(dim 0 the batch), got {[type(x).__name__ for x in inputs]}")
+        if any(x.requires_grad for x in inputs):
+            raise ValueError("make_private: an input requires grad; the private module computes "
+                             "parameter gradients only (no gradient reaches its inputs)")
+        with torch.no_grad():
+            out = self._module(*inputs)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise ValueError(f"make_private: the module must return one floating-point tensor, got "
+                             f"{type(out).__name__}")
+        return _PrivateOutput.apply(self, self._anchor, out, *inputs)
+
+    def _grad_fn(self, n_inputs: int):
+        """The compiled clipped sum for ``n_inputs`` batch tensors (one per arity)."""
+        if n_inputs not in self._grad_fns:
+            model = self._shadow
+
+            def example_loss(trainable, frozen, v, *xs):  # <model(x_i), v_i>: its grad is row i's vjp
+                out = functional_call(model, {**frozen, **trainable}, tuple(x[None] for x in xs))
+                return (out * v[None]).sum()
+
+            self._grad_fns[n_inputs] = clipped_grad(
+                example_loss, self.max_grad_norm, batch_argnums=tuple(range(2, 3 + n_inputs)),
+                **self._clip_args)
+        return self._grad_fns[n_inputs]
+
+    def _accumulate(self, grad_out: torch.Tensor, inputs: tuple) -> None:
+        batch = grad_out.shape[0]
+        for orig, sh in self._pairs:  # train()/eval() since make_private
+            sh.training = orig.training
+        v = grad_out.contiguous() * (batch if self.loss_reduction == "mean" else 1)
+        sums = self._grad_fn(len(inputs))(self._trainable, self._frozen, v.detach(), *inputs)
+        if self.dist is not None:
+            flat = torch.cat([s.reshape(-1) for s in sums.values()])
+            torch.distributed.all_reduce(flat)
+            sums = dict(zip(sums, flat.split([s.numel() for s in sums.values()])))
+        for name, p in self._trainable.items():
+            g = sums[name].view_as(p).to(p.dtype) / self.expected_batch_size
+            p.grad = g if p.grad is None else p.grad + g
+
+
+class DPOptimizer:
+    """The optimizer :func:`make_private` returns (Opacus' ``DPOptimizer``): ``step()`` adds
+    Gaussian noise of std ``noise_multiplier * max_grad_norm / expected_batch_size`` to every
+    trainable parameter's ``.grad`` (the clipped mean that backward left there), steps the
+    user's optimizer and records the step in ``accountant``. Everything else is the user's
+    optimizer's (``zero_grad``, ``param_groups``, ``state_dict``...)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule, noise_multiplier: float,
+                 sample_rate: float, accountant: PrivacyAccountant, generator: torch.Generator | None,
+                 secure_mode: bool):
+        self.original_optimizer, self.module, self.accountant = optimizer, module, accountant
+        self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
+        self.generator, self.secure_mode = generator, secure_mode
+        self.noiseless_steps = 0  # steps with noise_multiplier 0 (not in the accountant: epsilon = inf)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["original_optimizer"], name)
+
+    def _noise(self, p: torch.Tensor, std: float) -> torch.Tensor:
+        if std == 0:
+            return torch.zeros_like(p)
+        if self.secure_mode:  # Opacus' defence against floating-point attacks: 4 draws, halved
+            torch.normal(0.0, std, (1, 1), generator=self.generator, device=p.device)
+            return sum(torch.normal(0.0, std, p.shape, generator=self.generator, device=p.device)
+                       for _ in range(4)) / 2
+        return torch.normal(0.0, std, p.shape, generator=self.generator, device=p.device)
+
+    def add_noise(self) -> None:
+        """The Gaussian mechanism on the clipped mean; one draw under torch.distributed (rank
+        0's, broadcast)."""
+        m = self.module
+        std = self.noise_multiplier * m.max_grad_norm / m.expected_batch_size
+        for p in m._trainable.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            noise = self._noise(p, std)
+            if m.dist is not None:
+                torch.distributed.broadcast(noise, src=0)
+            p.grad.add_(noise.to(p.grad.dtype))
+
+    def step(self, closure=None):
+        self.add_noise()
+        out = self.original_optimizer.step(closure)
+        if self.noise_multiplier == 0:  # no privacy: epsilon is infinite from now on
+            self.noiseless_steps += 1
+        else:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none)
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon spent at ``delta``; infinite after a step without noise."""
+        return math.inf if self.noiseless_steps else self.accountant.epsilon(delta)
+
+    def __repr__(self) -> str:
+        return (f"DPOptimizer({type(self.original_optimizer).__name__}, noise_multiplier="
+                f"{self.noise_multiplier}, sample_rate={self.sample_rate:.4g})")
+
+
+def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and (
+        value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ValueError(f"make_private: {name} must be a finite number {'>= 0' if allow_zero else '> 0'}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _shard(loader: DataLoader, rank: int, world: int) -> DataLoader:
+    """The user's loader over this rank's shard of the dataset (indices rank, rank + world, ...)."""
+    dataset = loader.dataset
+    return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=loader.batch_size,
+                      collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                      pin_memory=loader.pin_memory)
+
+
+class PrivacyEngine:
+    """Opacus' ``PrivacyEngine``: ``make_private``/``make_private_with_epsilon`` wrap a model,
+    optimizer and loader; ``accountant`` (a :class:`PrivacyAccountant`) records every step;
+    ``get_epsilon(delta)``; ``state_dict()``/``load_state_dict()`` save and resume the
+    accounting. ``secure_mode``: noise and Poisson sampling from :func:`secure_generator`, noise
+    drawn as Opacus' secure mode does."""
+
+    def __init__(self, accountant: str = "rdp", secure_mode: bool = False):
+        if not isinstance(secure_mode, bool):
+            raise ValueError(f"PrivacyEngine: secure_mode must be True or False, got {secure_mode!r}")
+        self.accountant = PrivacyAccountant(accountant)
+        self.secure_mode = secure_mode
+        self.optimizers: list[DPOptimizer] = []
+
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
+                     loss_reduction: str = "mean", noise_generator: torch.Generator | None = None,
+                     microbatch_size: int | str | None = 8, memory_budget=None,
+                     options: Mapping[str, Any] | None = None, strict: bool = True,
+                     ) -> tuple[PrivateModule, DPOptimizer, DataLoader]:
+        """``(module, optimizer, data_loader)`` that train privately in the user's loop.
+        ``microbatch_size``/``memory_budget``/``options`` go to :func:`clipped_grad` (the chunks
+        the per-example region runs in). ``strict``: refuse a module that DP-SGD cannot train
+        (:func:`validate`; ``fix`` repairs the usual cases)."""
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"make_private: module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"make_private: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(data_loader, DataLoader) or not data_loader.batch_size:
+            raise ValueError("make_private: data_loader must be a torch DataLoader with a batch_size, got "
+                             f"{data_loader!r}")
+        sigma = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
+        C = check_clipping_norm(max_grad_norm, "make_private (max_grad_norm)")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"make_private: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        _compile_options(microbatch_size, memory_budget, options)  # checked now, not at the first backward
+        if strict:
+            validate(shadow(module), raise_errors=True)  # RNNs are differentiated as their loops
+        trainable = {id(p) for p in module.parameters() if p.requires_grad}
+        if not trainable or any(id(p) not in trainable for g in optimizer.param_groups for p in g["params"]
+                                if p.requires_grad):
+            raise ValueError("make_private: the optimizer must step the module's trainable parameters "
+                             "(and the module needs at least one)")
+        dist = _distributed()
+        rank, world = dist or (0, 1)
+        local = _shard(data_loader, rank, world) if dist else data_loader
+        generator = noise_generator
+        if self.secure_mode:
+            generator = secure_generator(next(module.parameters()).device)
+        expected = data_loader.batch_size * world
+        sample_rate = data_loader.batch_size / len(local.dataset)
+        if poisson_sampling:
+            sampler_gen = secure_generator() if self.secure_mode else None
+            local = poisson_loader(local, steps=len(local), generator=sampler_gen)
+        private = PrivateModule(module, C, expected, loss_reduction, microbatch_size, memory_budget, options)
+        dp_opt = DPOptimizer(optimizer, private, sigma, sample_rate, self.accountant, generator, self.secure_mode)
+        self.optimizers.append(dp_opt)
+        return private, dp_opt, local
+
+    def make_private_with_epsilon(self, *, target_epsilon: float, target_delta: float, epochs: int,
+                                  data_loader: DataLoader, **kwargs: Any):
+        """:meth:`make_private` with the smallest noise multiplier whose epsilon after ``epochs``
+        epochs (``epochs * len(data_loader)`` steps) is at most ``target_epsilon``."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+            raise ValueError(f"make_private_with_epsilon: epochs must be a positive int, got {epochs!r}")
+        if not isinstance(data_loader, DataLoader) or not data_loader.batch_size:
+            raise ValueError("make_private_with_epsilon: data_loader must be a torch DataLoader with a batch_size")
+        q = data_loader.batch_size / len(data_loader.dataset)
+        sigma = noise_multiplier_for(target_epsilon, target_delta, q, epochs * len(data_loader),
+                                     accountant=self.accountant.accountant)
+        return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent at ``delta``; infinite after a step without noise."""
+        if any(o.noiseless_steps for o in self.optimizers):
+            return math.inf
+        return self.accountant.epsilon(delta)
+
+    def state_dict(self) -> dict:
+        return {"accountant": self.accountant.state_dict(), "secure_mode": self.secure_mode}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.accountant.load_state_dict(state["accountant"])
+
+
+def make_private(*, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                 noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
+                 secure_mode: bool = False, accountant: str = "rdp", **kwargs: Any
+                 ) -> tuple[PrivateModule, DPOptimizer, DataLoader]:
+    """``PrivacyEngine(accountant, secure_mode).make_private(...)``; the engine's accountant is
+    ``optimizer.accountant``."""
+    return PrivacyEngine(accountant, secure_mode).make_private(
+        module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
+        max_grad_norm=max_grad_norm, poisson_sampling=poisson_sampling, **kwargs)
+
+
+def make_private_with_epsilon(*, target_epsilon: float, target_delta: float, epochs: int,
+                              secure_mode: bool = False, accountant: str = "rdp", **kwargs: Any):
+    """``PrivacyEngine(accountant, secure_mode).make_private_with_epsilon(...)``."""
+    return PrivacyEngine(accountant, secure_mode).make_private_with_epsilon(
+        target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, **kwargs)
+

@@ -1,0 +1,217 @@
+"""make_private: the Opacus-style loop's .grad against a float64 per-example loop, the noise at
+step, the accounting (and its state_dict), secure mode, the validator and fix, bad arguments."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad
+from torch.utils.data import DataLoader, TensorDataset
+
+from fxmem.dpsgd import PrivacyEngine, UnsupportedModuleError, epsilon, fix, make_private, validate
+from fxmem.dpsgd.rnn import LoopRNN
+
+EAGER = {"inner": "eager"}
+C = 0.5
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3))
+
+
+def _data(n: int = 20):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def clipped_mean_f64(model: nn.Module, x, y, expected: int, make=_model) -> dict:
+    """sum_i min(1, C/||g_i||) g_i / expected, g_i the gradient of example i's loss, in float64
+    (on a copy built by ``make()`` with ``model``'s state)."""
+    m64 = make()
+    m64.load_state_dict(model.state_dict())
+    m64 = m64.double()
+    params = {k: v.detach() for k, v in m64.named_parameters()}
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for i in range(len(x)):
+        g = grad(lambda p: F.cross_entropy(functional_call(m64, p, (x[i:i + 1].double(),)), y[i:i + 1]))(params)
+        norm = torch.sqrt(sum((v ** 2).sum() for v in g.values())).item()
+        for k in g:
+            total[k] += g[k] * min(1.0, C / norm)
+    return {k: v / expected for k, v in total.items()}
+
+
+@pytest.fixture(scope="module")
+def private():
+    """One compiled private model (chunks of 3) shared by the tests below."""
+    model = _model()
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loader = DataLoader(TensorDataset(x, y), batch_size=5)
+    engine = PrivacyEngine()
+    pm, popt, pl = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+                                       max_grad_norm=C, microbatch_size=3, options=EAGER)
+    return engine, model, pm, popt, pl
+
+
+@pytest.mark.slow
+def test_the_plain_loop_leaves_the_clipped_mean_on_grad(private):
+    engine, model, pm, popt, pl = private
+    assert pm.expected_batch_size == 5 and popt.sample_rate == 5 / 20
+    sizes = []
+    torch.manual_seed(2)  # Poisson batch sizes vary (deterministically here)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs unchunked" warning
+        for step, (xb, yb) in enumerate(pl):
+            popt.zero_grad()
+            loss = F.cross_entropy(pm(xb), yb)
+            loss.backward()
+            want = clipped_mean_f64(model, xb, yb, expected=5)
+            for k, p in model.named_parameters():
+                assert p.grad is not None and p.grad.shape == p.shape
+                assert (p.grad.double() - want[k]).abs().max() <= 1e-4, (step, k)
+            popt.step()
+            sizes.append(len(xb))
+    assert len(sizes) == len(pl) == 4 and len(set(sizes)) > 1
+    assert any(s % 3 for s in sizes)  # a last chunk padded to 3
+    assert pm._grad_fns[1].chosen_microbatch_size() == 3
+    assert engine.accountant.steps == 0 and popt.noiseless_steps == 4
+    assert engine.get_epsilon(1e-5) == popt.epsilon(1e-5) == float("inf")  # noise 0: no privacy
+
+
+def test_noise_at_step_is_sigma_c_over_the_expected_batch_from_the_generator():
+    model = _model()
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    pm, popt, _ = make_private(module=model, optimizer=opt, data_loader=loader,
+                               noise_multiplier=2.0, max_grad_norm=C, noise_generator=torch.Generator().manual_seed(7),
+                               microbatch_size=None, options=EAGER)
+    F.cross_entropy(pm(x[:6]), y[:6]).backward()
+    before = {k: (p.detach().clone(), p.grad.clone()) for k, p in model.named_parameters()}
+    popt.step()
+    g = torch.Generator().manual_seed(7)
+    for k, p in model.named_parameters():
+        w, clean = before[k]
+        noise = torch.normal(0.0, 2.0 * C / 4, p.shape, generator=g)
+        torch.testing.assert_close(w - p.detach(), clean + noise)
+    assert popt.accountant.steps == 1
+    assert popt.epsilon(1e-5) == pytest.approx(epsilon(2.0, 4 / 20, 1, 1e-5))
+
+
+def test_secure_mode_noise_is_not_reproducible_from_torch_seed():
+    """Opacus' guarantee: no seed of the user's reproduces the noise (or the batches)."""
+    def one(seed: int):
+        torch.manual_seed(seed)
+        model = _model()
+        x, y = _data()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        loader = DataLoader(TensorDataset(x, y), batch_size=4)
+        pm, popt, pl = make_private(module=model, optimizer=opt, data_loader=loader,
+                                    noise_multiplier=1.0, max_grad_norm=C, secure_mode=True, microbatch_size=None,
+                                    options=EAGER)
+        torch.manual_seed(seed)
+        batches = [len(b[0]) for b in pl]
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        popt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), batches, popt
+
+    a, ba, opt_a = one(0)
+    b, bb, _ = one(0)
+    assert not torch.equal(a, b)
+    assert opt_a.secure_mode and opt_a.generator is not None
+    # 4 draws halved: the std is still sigma * C / E
+    big = opt_a._noise(torch.zeros(200_000), 1.5)
+    assert big.std().item() == pytest.approx(1.5, rel=0.02)
+
+
+def test_accountant_state_dict_resumes_and_make_private_with_epsilon_meets_the_target():
+    engine = PrivacyEngine()
+    model = _model()
+    x, y = _data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    _, popt, pl = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        target_epsilon=5.0, target_delta=1e-5, epochs=3, max_grad_norm=C, microbatch_size=None, options=EAGER)
+    steps = 3 * len(loader)
+    assert epsilon(popt.noise_multiplier, 4 / 20, steps, 1e-5) <= 5.0
+    assert epsilon(popt.noise_multiplier * 0.95, 4 / 20, steps, 1e-5) > 5.0  # the smallest such sigma (~)
+    engine.accountant.step(popt.noise_multiplier, popt.sample_rate, steps=steps)
+    state = engine.state_dict()
+    resumed = PrivacyEngine()
+    resumed.load_state_dict(state)
+    assert resumed.get_epsilon(1e-5) == engine.get_epsilon(1e-5) <= 5.0
+    with pytest.raises(ValueError, match="'prv' accountant's"):
+        PrivacyEngine("rdp").accountant.load_state_dict({**state["accountant"], "accountant": "prv"})
+
+
+def test_batchnorm_is_named_with_groupnorm_and_fix_replaces_it():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
+    errors = validate(model)
+    assert len(errors) == 1 and "1: BatchNorm2d" in str(errors[0]) and "GroupNorm" in str(errors[0])
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 2, (4,))
+    with pytest.raises(UnsupportedModuleError, match=r"(?s)BatchNorm2d.*use GroupNorm"):
+        make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     data_loader=DataLoader(TensorDataset(x, y), batch_size=2), noise_multiplier=1.0,
+                     max_grad_norm=1.0)
+    fixed = fix(model)
+    assert isinstance(fixed[1], nn.GroupNorm) and fixed[1].num_groups == 8 and fixed[1].num_channels == 8
+    assert isinstance(model[1], nn.BatchNorm2d)  # the original is kept
+    assert validate(fixed) == []
+    assert "GRU" in str(validate(nn.GRU(3, 4))[0]) and isinstance(fix(nn.GRU(3, 4)), LoopRNN)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(noise_multiplier=-1.0), "noise_multiplier"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(loss_reduction="avg"), "loss_reduction"),
+    (dict(data_loader=[1, 2]), "data_loader"),
+    (dict(optimizer=torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)), "optimizer"),
+    (dict(microbatch_size=0), "microbatch_size"),
+])
+def test_bad_arguments_raise_naming_them(kwargs, name):
+    model = _model()
+    x, y = _data()
+    args = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match=name):
+        make_private(**{**args, **kwargs})
+
+
+class _Recurrent(nn.Module):
+    """A plain nn.RNN/GRU/LSTM (2 layers, both directions, batch_first) and a linear head."""
+
+    def __init__(self, cls, **kwargs):
+        super().__init__()
+        self.rnn = cls(4, 5, num_layers=2, bidirectional=True, batch_first=True, **kwargs)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, kwargs", [(nn.RNN, {"nonlinearity": "relu"}), (nn.GRU, {}), (nn.LSTM, {})])
+def test_plain_recurrent_layers_give_the_clipped_mean_in_chunks_of_3(cls, kwargs):
+    torch.manual_seed(0)
+    model = _Recurrent(cls, **kwargs)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(7, 5, 4, generator=g), torch.randint(0, 3, (7,), generator=g)
+    pm, _, _ = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=0.0,
+                            max_grad_norm=C, microbatch_size=3, options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs unchunked" warning
+        F.cross_entropy(pm(x), y).backward()
+    assert pm._grad_fns[1].chosen_microbatch_size() == 3
+    ref = _Recurrent(cls, **kwargs)
+    ref.load_state_dict(start)
+    want = clipped_mean_f64(ref, x, y, expected=4, make=lambda: _Recurrent(cls, **kwargs))
+    for k, p in model.named_parameters():
+        assert (p.grad.double() - want[k]).abs().max() <= 1e-4, k
