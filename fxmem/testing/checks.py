@@ -129,6 +129,7 @@ def _unoptimized(options: Mapping[str, Any]):
     from ..inner import eager
     from ..lowering.decide import decide
     from ..options import resolve
+    from ..remat.settings import PlanSettings
     from ..remat.split import split
 
     opts = resolve(dict(options))
@@ -139,7 +140,8 @@ def _unoptimized(options: Mapping[str, Any]):
         return result.fw, result.bw
 
     def backend(gm, example_inputs):
-        gm = decide(gm, example_inputs, opts).gm  # fxmem's own decision: the kept lowerings draw alike
+        # fxmem's own decision: the kept lowerings draw alike
+        gm = decide(gm, example_inputs, opts, PlanSettings.of(opts)).gm
         return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
 
     return backend
