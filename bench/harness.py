@@ -67,7 +67,7 @@ def unit_of(metric: str) -> str:
     last = metric.rsplit(".", 1)[-1].split("[", 1)[0]
     if "bytes" in last or last in ("peak", "resident", "resident_adam", "cap", "peak_cap", "peak_budget"):
         return "bytes"
-    if last.endswith("_s") or last in ("seconds", "s") or last.endswith("_s_all"):
+    if last.endswith("_s") or last in ("seconds", "times", "all"):
         return "s"
     if "_vs_" in last or "ratio" in last or last.startswith("vs_"):
         return "x"
