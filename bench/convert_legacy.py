@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,8 +46,8 @@ def legacy(doc: dict) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-def convert(path: Path) -> harness.Results:
-    doc = json.loads(path.read_text())
+def convert(path: Path, text: str) -> harness.Results:
+    doc = json.loads(text)
     if set(doc) == {"study", "meta", "rows"}:
         return harness.check(doc, str(path))
     meta, records = legacy(doc)
@@ -54,12 +55,19 @@ def convert(path: Path) -> harness.Results:
     meta["spec"] = tables.spec_name(study)
     meta["converted_from"] = "legacy envelope, by bench/convert_legacy.py (numbers as stored)"
     keys = tables.spec_for(meta["spec"]).case
-    rows = harness.records_to_rows(study, records, keys, meta.get("commit"), meta.get("date_utc"))
+    when = meta.get("commit"), meta.get("date_utc")
+    rows = harness.records_to_rows(study, records, keys, *when)
+    targets = meta.get("run", {}).pop("targets", [])
+    rows += harness.records_to_rows(study, [{"case": harness.TARGET + t["target"], **t} for t in targets],
+                                    ("case",), *when)
     return harness.Results(study, meta, rows)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python bench/convert_legacy.py [COMMIT]: the legacy files as of COMMIT
+    base = sys.argv[1] if len(sys.argv) > 1 else "ea174ec"
     for p in sorted(harness.RESULTS.glob("*.json")):
-        res = convert(p)
+        legacy_text = subprocess.run(["git", "show", f"{base}:bench/results/{p.name}"], capture_output=True,
+                                     text=True, check=True, cwd=harness.BENCH).stdout
+        res = convert(p, legacy_text)
         harness.save(res, harness.RESULTS)
         print(p.name, len(res.rows))

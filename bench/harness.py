@@ -182,16 +182,23 @@ def save(results: Results, out_dir: str | os.PathLike = RESULTS) -> tuple[Path, 
     return jp, mp
 
 
+TARGET = "target/"  # the case prefix of a program's targets: {target, value, limit, met}
+
+
 def write(study: str, records: Sequence[dict], out_dir: str | os.PathLike = RESULTS, *, meta: dict,
-          run: dict | None = None, spec: str | None = None) -> tuple[Path, Path]:
+          run: dict | None = None, spec: str | None = None, targets: Sequence[dict] = ()) -> tuple[Path, Path]:
     """The one writer: ``records`` (one dict per case) as long rows of ``study`` with ``meta`` (from
     ``common.metadata``; ``run``, the program's settings, goes into ``meta["run"]``), then the
-    markdown. ``spec``: the table spec's name when it is not ``study``'s (``tables.spec_for``)."""
+    markdown. ``spec``: the table spec's name when it is not ``study``'s (``tables.spec_for``).
+    ``targets``: ``{target, value, limit, met}`` dicts, rows of the cases ``target/<target>``,
+    rendered as a "Targets" table."""
     import tables
 
     meta = {**meta, "spec": spec or tables.spec_name(study)} | ({"run": run} if run is not None else {})
     keys = tables.spec_for(meta["spec"]).case
-    rows = records_to_rows(study, records, keys, meta.get("commit"), meta.get("date_utc"))
+    when = meta.get("commit"), meta.get("date_utc")
+    rows = records_to_rows(study, records, keys, *when)
+    rows += records_to_rows(study, [{"case": TARGET + t["target"], **t} for t in targets], ("case",), *when)
     return save(Results(study, meta, rows), out_dir)
 
 
@@ -309,7 +316,8 @@ def render(results: Results) -> str:
     import tables
 
     spec = tables.spec_for(results.meta.get("spec") or tables.spec_name(results.study))
-    records = {c: {"__case__": c, **rec} for c, rec in results.records().items()}
+    records = {c: {"__case__": c, **rec} for c, rec in results.records().items() if not c.startswith(TARGET)}
+    targets = [rec for c, rec in results.records().items() if c.startswith(TARGET)]
     out = [f"# {spec.title(results) if spec.title else results.study}", "", md_header(results.meta)]
     if spec.note:
         out += [spec.note, ""]
@@ -317,6 +325,10 @@ def render(results: Results) -> str:
         if t.title:
             out += [f"## {t.title}", ""]
         out += t.lines(records) + [""]
+    if targets:
+        out += ["## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
+        out += [f"| {t['target']} | {t['value']:.3g} | {t['limit']:g} | {'met' if t['met'] else 'MISSED'} |"
+                for t in targets] + [""]
     if spec.notes is not None:
         notes = spec.notes(records)
         if notes:

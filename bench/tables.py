@@ -99,12 +99,6 @@ def _run_notes(records: Records) -> list[str]:
     if failed:
         out += ["Not measured (skipped, infeasible or failed; first line of the reason):", ""]
         out += [f"- {r['model']} / {r['config']}: {_status(r)}: {_first_line(r)}" for r in failed]
-    floors = [r for r in records.values() if "floor.grads" in r]
-    if floors:
-        out += ["", "Floors: max(grads, boundaries + max(layer, loss working set)), MiB:", ""]
-        out += [f"- {r['model']}: max({r['floor.grads'] / MIB:.1f}, {r['floor.boundaries'] / MIB:.1f} + "
-                f"max({r['floor.layer_working_set'] / MIB:.1f}, {r['floor.loss_working_set'] / MIB:.1f}))"
-                for r in floors]
     return out
 
 
@@ -124,13 +118,40 @@ INTERLEAVED = Spec("interleaved", ("model", "config"), tables=(Table("main", (
     Column("fastest ms", "min_s", "ms"),
     Column("median / first", "median_ratio", ".3f"),
     Column("fastest / first", "min_ratio", ".3f"),
-)),), title=lambda res: f"Interleaved step time: `{res.study}`",
+), replace_row=lambda r: [r["config"], f"left out: {fmt(r['left_out'], 'str')}", "", "", ""]
+    if "left_out" in r else None),),
+    title=lambda res: f"Interleaved step time: `{res.study}`",
     note="Every configuration compiled in one process and stepped in rotating order, round after round; "
          "ratios to the first configuration.")
 
 
 def _by(metric: str, how: str, header: str | None = None) -> Column:
     return Column(header or metric, metric, how)
+
+
+def _check(r: dict) -> str:
+    """A clipped sum or gradient against its reference: ok / MISMATCH with the relative error."""
+    return "" if "rel_err" not in r else f"{'ok' if r.get('ok') else 'MISMATCH'} ({r['rel_err']:.1e})"
+
+
+def _mib2(v: float) -> str:
+    return f"{v / MIB:.2f}"
+
+
+def _ms1(v: float) -> str:
+    return f"{v * 1e3:.1f}"
+
+
+def _paired(metric: str) -> Callable[[dict], str]:
+    return lambda r: f"{r[metric]:.2f} ({r['paired_' + metric]:.2f})"
+
+
+def _kernel_targets(r: dict) -> str:
+    tgt = {k[len("targets."):]: v for k, v in r.items() if k.startswith("targets.")}
+    if not tgt:
+        return ""
+    good = all(r.get(k) is not None and r[k] <= v for k, v in tgt.items())
+    return ", ".join(f"{k} <= {v}" for k, v in tgt.items()) + (" (met)" if good else " (MISSED)")
 
 
 ZOO = Spec("zoo", ("model",))
@@ -143,23 +164,60 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
         _by("seconds", ".1f", "compile s"), _by("ratio", ".2f", "/ level 0"))),)),
     Spec("budget-ilp", ("model", "graph", "fraction")),
     Spec("budget-zoo", ("model",)),
-    Spec("dpsgd", ("variant",)),
-    Spec("dpsgd-e2e", ("variant",)),
-    Spec("dpsgd-lora", ("variant",)),
-    Spec("ghost", ("variant",)),
-    Spec("kernels", ("family", "case", "variant"), tables=(Table("main", (
-        Column("family", "family", number=False), Column("case", "case", number=False),
-        Column("variant", "variant", number=False), Column("ok", "ok", number=False),
-        Column("rel err", "rel_err", ".1e"), Column("peak MiB", "peak_bytes", "mib"),
-        Column("peak ratio", "peak_ratio", ".2f"), Column("time ms", "time_s", lambda v: f"{v * 1e3:.2f}"),
-        Column("time ratio", "time_ratio", ".2f"), Column("notes", "notes", number=False))),)),
+    Spec("dpsgd", ("variant",), title=lambda res: f"DP-SGD benchmark: {res.study}",
+         note="Peak = exact peak of one step above what was live before it; time = median of the timed steps, "
+              "variants interleaved; clipped sums checked against the hand loop (max relative error per parameter).",
+         tables=(Table("main", (
+             Column("variant", "variant", number=False), Column("m", "microbatch", "d"),
+             Column("clipped sum", _check, number=False), Column("peak MiB", "peak_bytes", "mib"),
+             Column("vs opake", "peak_vs_opake", ".3f"), Column("vs hand loop", "peak_vs_hand", ".3f"),
+             Column("ms", "time_s", _ms1), Column("vs opake", "time_vs_opake", ".2f"),
+             Column("first call s", "first_call_s", ".1f"))),)),
+    Spec("dpsgd-e2e", ("variant",), title=lambda res: f"End-to-end private training: {res.study}",
+         note="Time = median step (variants interleaved, the same Poisson batches); in brackets the median of the "
+              "per-step ratios on the same batch; peak = exact peak of a step above what was live before it.",
+         tables=(Table("main", (
+             Column("variant", "variant", number=False), Column("ms / step", "time_s", _ms1),
+             Column("vs non-private (paired)", _paired("time_vs_nonprivate")),
+             Column("vs Opacus ghost (paired)", _paired("time_vs_opacus_ghost")),
+             Column("peak MiB", "peak_bytes", "mib"), Column("vs non-private", "peak_vs_nonprivate", ".2f"),
+             Column("vs Opacus ghost", "peak_vs_opacus_ghost", ".2f"), Column("compiles", "compiles", "d"),
+             Column("epsilon", "epsilon", ".3f"), Column("first step s", "first_step_s", ".1f"))),)),
+    Spec("dpsgd-lora", ("variant",), title=lambda res: f"DP-SGD with LoRA: {res.study}",
+         tables=(Table("main", (
+             Column("variant", "variant", number=False), Column("peak MiB", "peak_bytes", _mib2),
+             Column("vs non-private", "peak_vs_nonprivate", ".3f"), Column("error vs loop", "rel_err", ".1e"),
+             Column("step s", "step_s", ".3f"), Column("first call s", "first_call_s", ".1f"))),)),
+    Spec("ghost", ("variant",), title=lambda res: f"Ghost clipping benchmark: {res.study}",
+         note="Peak = exact peak of one step above what was live before it; time = median of the timed steps, "
+              "variants interleaved; clipped sums checked against an explicit per-example reference.",
+         tables=(Table("main", (
+             Column("variant", "variant", number=False), Column("clipped sum", _check, number=False),
+             Column("peak MiB", "peak_bytes", "mib"), Column("vs non-private", "peak_vs_nonprivate", ".3f"),
+             Column("vs Opacus", "peak_vs_opacus", ".3f"), Column("ms", "time_s", _ms1),
+             Column("vs non-private", "time_vs_nonprivate", ".2f"), Column("vs Opacus", "time_vs_opacus", ".2f"),
+             Column("first call s", "first_call_s", ".1f"))),)),
+    Spec("kernels", ("family", "case", "variant"), title=lambda res: f"Kernel benchmark: {res.study}",
+         note="Time = median of the timed steps, variants interleaved; peak = exact peak of one forward + backward "
+              "above what was live before it; ratios against the first (unfused) variant of each case.",
+         tables=(Table("main", (
+             Column("family", "family", number=False), Column("case", "case", number=False),
+             Column("variant", "variant", number=False), Column("grads", _check, number=False),
+             Column("peak MiB", "peak_bytes", "mib"), Column("peak ratio", "peak_ratio", ".3f"),
+             Column("ms", "time_s", _ms1), Column("time ratio", "time_ratio", ".2f"),
+             Column("targets", _kernel_targets, number=False))),)),
     Spec("lowering-ce-ratio", ("model", "vocab", "hidden", "tokens"), tables=(Table("main", (
         Column("model", "model", number=False), Column("vocab", "vocab", "d"), Column("hidden", "hidden", "d"),
         Column("tokens", "tokens", "d"), Column("logits / kept grads", "ratio", ".2f"),
         Column("decision", "decision", number=False), Column("level 0 peak ratio", "level0", ".3f"),
         Column("level 1 peak ratio", "level1", ".3f"))),)),
     Spec("lowering-glu", ("model", "pattern", "size")),
-    Spec("poisson", ("step",)),
+    Spec("poisson", ("step",), title=lambda res: f"Poisson-sampled DP-SGD: {res.study}",
+         note="Error = max relative error per parameter against an explicit per-example loop; peak = exact peak "
+              "of one step above what was live before it.",
+         tables=(Table("main", (
+             Column("step", "step", "d"), Column("batch", "batch", "d"), Column("error", "rel_err", ".1e"),
+             Column("peak MiB", "peak_bytes", _mib2), Column("call s", "call_s", ".2f"))),)),
     Spec("realistic-compile-time", ("config",)),
     Spec("realistic-plan-7b", ("level",), tables=(Table("main", (
         Column("level", "level", "d"), Column("plan s", "seconds", ".1f"), Column("peak GiB", "peak", "gib"),
