@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -46,12 +47,18 @@ def legacy(doc: dict) -> tuple[dict, list[dict]]:
     return meta, records
 
 
-def convert(path: Path, text: str) -> harness.Results:
+def convert(path: Path, text: str, base: str) -> harness.Results:
     doc = json.loads(text)
     if set(doc) == {"study", "meta", "rows"}:
         return harness.check(doc, str(path))
     meta, records = legacy(doc)
     study = path.stem
+    if not meta.get("date_utc"):  # {command, results}: the date and torch were in the markdown only
+        legacy_md = subprocess.run(["git", "show", f"{base}:bench/results/{study}.md"], capture_output=True,
+                                   text=True, check=True, cwd=harness.BENCH).stdout
+        found = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d) UTC; torch ([^,;]+)", legacy_md, re.M)
+        if found:
+            meta["date_utc"], meta["torch"] = found.groups()
     meta["spec"] = tables.spec_name(study)
     meta["converted_from"] = "legacy envelope, by bench/convert_legacy.py (numbers as stored)"
     keys = tables.spec_for(meta["spec"]).case
@@ -68,6 +75,6 @@ if __name__ == "__main__":  # python bench/convert_legacy.py [COMMIT]: the legac
     for p in sorted(harness.RESULTS.glob("*.json")):
         legacy_text = subprocess.run(["git", "show", f"{base}:bench/results/{p.name}"], capture_output=True,
                                      text=True, check=True, cwd=harness.BENCH).stdout
-        res = convert(p, legacy_text)
+        res = convert(p, legacy_text, base)
         harness.save(res, harness.RESULTS)
         print(p.name, len(res.rows))

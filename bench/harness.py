@@ -248,11 +248,12 @@ class Table:
     where: Callable[[dict], bool] | None = None
     title: str = ""
     replace_row: Callable[[dict], list[str] | None] | None = None
+    each: str = ""  # a list of a record (``rows``): one table row per item, its fields beside the record's
 
     def lines(self, records: dict[str, dict]) -> list[str]:
         out = ["| " + " | ".join(c.header for c in self.columns) + " |",
                "|" + "|".join("---:" if c.number else "---" for c in self.columns) + "|"]
-        for rec in records.values():
+        for rec in (expand(records, self.each) if self.each else records.values()):
             if self.where is not None and not self.where(rec):
                 continue
             cells = self.replace_row(rec) if self.replace_row else None
@@ -260,6 +261,19 @@ class Table:
                 cells = [c.cell(rec) for c in self.columns]
             out.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
         return out
+
+
+def expand(records: dict[str, dict], field: str) -> list[dict]:
+    """Each record's items of the list ``field`` (metrics ``field[i].x``) as ``{**record, x: ...}``."""
+    out = []
+    for rec in records.values():
+        items: dict[int, dict] = {}
+        for m, v in rec.items():
+            if m.startswith(field + "["):
+                i, _, rest = m[len(field) + 1:].partition("]")
+                items.setdefault(int(i), {})[rest.lstrip(".")] = v
+        out += [{**rec, **items[i]} for i in sorted(items)]
+    return out
 
 
 def default_table(records: dict[str, dict]) -> Table:
@@ -291,23 +305,40 @@ def render_table(results: Results, table: Table) -> str:
 
 
 def md_header(meta: dict) -> str:
-    """The command, and where and when it ran: the lines under a results file's title."""
+    """The command, and where and when it ran (what ``meta`` records of it): the lines under a
+    results file's title."""
     m = meta.get("machine") or {}
-    commit = meta.get("commit") or "?"
-    dirty = commit.endswith("-dirty")
-    commit = commit[:-len("-dirty")] if dirty else commit
+    commit = meta.get("commit")
+    where = []
+    if meta.get("date_utc"):
+        where.append(f"{meta['date_utc']} UTC")
+    if commit:
+        dirty = commit.endswith("-dirty")
+        where.append(f"commit `{commit.removesuffix('-dirty')[:10]}`" + (" (uncommitted changes)" if dirty else ""))
+    if meta.get("fxmem_source") not in (None, "fxmem"):
+        where.append(f"fxmem from `{meta['fxmem_source']}`")
     pk = meta.get("packages") or {}
-    soft = f"torch {meta.get('torch')}" + "".join(
-        f", {k} {pk[k]}" for k in ("transformers", "opacus", "opake") if k in pk)
-    cpus = f"{m.get('cpu') or 'unknown CPU'}, {m.get('cpu_count')} CPUs"
-    if m.get("cpu_affinity") and m.get("cpu_affinity") != m.get("cpu_count"):
-        cpus += f" ({m['cpu_affinity']} usable)"
-    where = cpus + (f", {m['cuda']}" if m.get("cuda") else "")
-    src = meta.get("fxmem_source")
-    src = "" if src in (None, "fxmem") else f"; fxmem from `{src}`"
-    return (f"`{meta.get('command')}`\n\n"
-            f"{meta.get('date_utc')} UTC; commit `{commit[:10]}`" + (" (uncommitted changes)" if dirty else "")
-            + f"{src}; {soft}, Python {meta.get('python')}; {where}.\n")
+    soft = [f"torch {meta['torch']}"] if meta.get("torch") else []
+    soft += [f"{k} {pk[k]}" for k in ("transformers", "opacus", "opake") if k in pk]
+    soft += [f"Python {meta['python']}"] if meta.get("python") else []
+    if soft:
+        where.append(", ".join(soft))
+    if m.get("cpu") or m.get("cpu_count"):
+        cpus = f"{m.get('cpu') or 'unknown CPU'}, {m.get('cpu_count')} CPUs"
+        if m.get("cpu_affinity") and m.get("cpu_affinity") != m.get("cpu_count"):
+            cpus += f" ({m['cpu_affinity']} usable)"
+        where.append(cpus + (f", {m['cuda']}" if m.get("cuda") else ""))
+    return f"`{meta.get('command')}`\n\n" + ("; ".join(where) + ".\n" if where else "")
+
+
+def _target(t: dict, key: str) -> str:
+    """A target's value or limit: a byte cap in MiB, a tiny error in e-notation, else 3 decimals."""
+    v = t.get(key)
+    if v is None:
+        return "-"
+    if "cap" in t["target"] and abs(v) >= 2**10:
+        return f"{v / MIB:.2f} MiB"
+    return f"{v:.1e}" if 0 < abs(v) < 1e-3 else f"{v:.3f}"
 
 
 def render(results: Results) -> str:
@@ -318,7 +349,7 @@ def render(results: Results) -> str:
     spec = tables.spec_for(results.meta.get("spec") or tables.spec_name(results.study))
     records = {c: {"__case__": c, **rec} for c, rec in results.records().items() if not c.startswith(TARGET)}
     targets = [rec for c, rec in results.records().items() if c.startswith(TARGET)]
-    out = [f"# {spec.title(results) if spec.title else results.study}", "", md_header(results.meta)]
+    out = [f"# {spec.title(results) if spec.title else results.study}", "", md_header(results.meta), ""]
     if spec.note:
         out += [spec.note, ""]
     for t in tables.tables_of(spec, records) or (default_table(records),):
@@ -327,7 +358,7 @@ def render(results: Results) -> str:
         out += t.lines(records) + [""]
     if targets:
         out += ["## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
-        out += [f"| {t['target']} | {t['value']:.3g} | {t['limit']:g} | {'met' if t['met'] else 'MISSED'} |"
+        out += [f"| {t['target']} | {_target(t, 'value')} | {_target(t, 'limit')} | {'met' if t['met'] else 'MISSED'} |"
                 for t in targets] + [""]
     if spec.notes is not None:
         notes = spec.notes(records)

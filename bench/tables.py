@@ -154,16 +154,193 @@ def _kernel_targets(r: dict) -> str:
     return ", ".join(f"{k} <= {v}" for k, v in tgt.items()) + (" (met)" if good else " (MISSED)")
 
 
-ZOO = Spec("zoo", ("model",))
+def _gflop(metric: str) -> Callable[[dict], str]:
+    """GFLOP and its share of the step (``step_flops``); "no plan" where none is within the cap."""
+    def cell(r: dict) -> str:
+        x = r.get(metric)
+        if x is None:
+            return "-"
+        return "no plan" if x in (float("inf"), "inf") else f"{x / 1e9:.3g} ({100 * x / r['step_flops']:.1f}%)"
+    return cell
+
+
+def _ns_ms(metric: str) -> Callable[[dict], str]:
+    def cell(r: dict) -> str:
+        x = r.get(metric)
+        return "-" if x is None else "no plan" if x in (float("inf"), "inf") else f"{x / 1e6:.1f}"
+    return cell
+
+
+def _over_bound(r: dict) -> str:
+    fx, b = r.get("fxmem_flops"), r.get("bound_flops")
+    return f"{fx / b:.2f}" if fx is not None and b not in (None, 0, float("inf"), "inf") else ""
+
+
+def _listed(prefix: str) -> list:
+    return lambda r: [v for k, v in r.items() if k.startswith(prefix + "[")]
+
+
+def _heavy(r: dict) -> str:
+    return ", ".join(_listed("torch.recomputed_heavy")(r)) or "none"
+
+
+def _alive(r: dict) -> str:
+    names, sizes = [], []
+    for k, v in r.items():
+        if k.startswith("live[") and k.endswith("[0]"):
+            names.append(v)
+        elif k.startswith("live[") and k.endswith("[1]"):
+            sizes.append(v)
+    live = ", ".join(f"{n} {b / MIB:.1f}" for n, b in zip(names, sizes))
+    return f"{live}, and {r['live_count'] - len(names)} more"
+
+
+def _floor_row(r: dict) -> list[str] | None:
+    if "error" not in r:
+        return None
+    why = r["error"].split("infeasible; ")[-1].split(";")[0]
+    return [r["model"], r["label"], f"refused: {why}", "", "", "", "", ""]
+
+
+def _thousands(v: int) -> str:
+    return f"{v:,}"
+
+
+def _kib(v: float) -> str:
+    return f"{v / 1024:,.0f}"
+
+
+def _kib0(v: float) -> str:
+    return f"{v / 1024:.0f}"
+
+
+def _labels(records: Records, prefix: str, suffix: str) -> list[str]:
+    """The ``X`` of every metric ``<prefix>X<suffix>`` in the records, in first-seen order."""
+    seen: dict[str, None] = {}
+    for r in records.values():
+        for k in r:
+            if k.startswith(prefix) and k.endswith(suffix):
+                seen.setdefault(k[len(prefix):len(k) - len(suffix)], None)
+    return list(seen)
+
+
+def _zoo_cell(label: str) -> Callable[[dict], str]:
+    def cell(r: dict) -> str:
+        c = f"cells.{label}."
+        return f"{_kib(r[c + 'peak'])} ({100 * r[c + 'error']:+.1f}%)" + ("" if r[c + "ok"] else " !")
+    return cell
+
+
+def _zoo_tables(records: Records) -> tuple[Table, ...]:
+    labels = _labels(records, "cells.", ".peak")
+    return (Table("main", (
+        Column("model", "model", number=False), Column("family", "family", number=False),
+        Column("eager", "eager", _kib), Column("min-cut", "mincut", _kib),
+        *[Column(label, _zoo_cell(label)) for label in labels],
+        Column("L1 / eager", lambda r: r["cells.L1.peak"] / r["eager"], ".2f"),
+        Column("lowered (L1)", lambda r: ", ".join(_listed("cells.L1.lowered")(r)) or "-", number=False),
+        Column("s", "seconds", ".0f"))),)
+
+
+def _zoo_notes(records: Records) -> list[str]:
+    rows = list(records.values())
+    labels = _labels(records, "cells.", ".peak")
+    cells = [(r, f"cells.{lb}.") for r in rows for lb in labels]
+    out = [f"{sum(bool(r[c + 'ok']) for r, c in cells)} of {len(cells)} cells equal eager without a fallback; "
+           f"{sum(abs(r[c + 'error']) <= 0.05 for r, c in cells)} of {len(cells)} predicted within 5%; levels 1/2 "
+           f"and the budget at most level 0 on {sum(bool(r['levels_le_l0']) for r in rows)} of {len(rows)} models; "
+           f"lowering never raised the peak (levels 0, 1, 2) on {sum(bool(r['lowering_no_raise']) for r in rows)} "
+           f"of {len(rows)}."]
+    problems = [f"- {r['model']}, {c.split('.')[1]}: {'; '.join(_listed(c + 'problems')(r))}"
+                for r, c in cells if _listed(c + "problems")(r)]
+    return out + (["", "Problems:", *problems] if problems else [])
+
+
+def _budget_zoo_tables(records: Records) -> tuple[Table, ...]:
+    fractions = ("0.9", "0.7", "0.5", "0.3", "0.1", "0.0")
+    n = max((len(_listed("peaks")(r)) for r in records.values()), default=0)
+    return (Table("main", (
+        Column("model", "model", number=False), Column("family", "family", number=False),
+        Column("L0", "level0", _kib0), Column("L1", "level1", _kib0),
+        *[Column(fractions[i] if i < len(fractions) else f"peaks[{i}]", f"peaks[{i}]", _kib0) for i in range(n)],
+        Column("grads", lambda r: "ok" if r["grads_ok"] else "MISMATCH", number=False),
+        Column("monotone", lambda r: "yes" if r["monotone"] else ", ".join(_listed("rises")(r)), number=False),
+        Column("0 <= L1", lambda r: "yes" if r["zero_le_level1"] else "NO", number=False),
+        Column("warned at", lambda r: ", ".join(map(str, _listed("warned")(r))) or "-", number=False),
+        Column("peak cap", "peak_cap", _kib0), Column("peak", "peak_budget", _kib0),
+        Column("cap met or warned", lambda r: "met" if r["cap_met"] else "warned" if r["cap_warned"] else "NO",
+               number=False),
+        Column("s", "seconds", ".0f"))),)
+
+
+def _ilp_gap(r: dict) -> str:
+    return "unmet" if not r["met"] else "-" if r.get("gap") is None else f"{100 * r['gap']:.2f}%"
+
+
+def _ilp_notes(records: Records) -> list[str]:
+    by_model: dict[str, float] = {}
+    gaps = [r["gap"] for r in records.values() if r.get("gap") is not None]
+    for r in records.values():
+        if r.get("gap") is not None:
+            by_model[r["model"]] = max(by_model.get(r["model"], 0.0), r["gap"])
+    if not gaps:
+        return []
+    return [f"Largest gap: {100 * max(gaps):.2f}% over {len(gaps)} plans within their cap; per model: "
+            + ", ".join(f"{m} {100 * g:.2f}%" for m, g in by_model.items()) + "."]
+
+
+ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
+           title=lambda res: f"The zoo, {res.study.removeprefix('zoo-')} profile",
+           note="Every zoo model (`fxmem.testing.zoo`, dropout as shipped), eager inner compiler, fxmem's default "
+                "lowering unless the column says otherwise. Each fxmem cell: measured peak KiB (predict_peak's "
+                "error); `!` marks a step that is not eager's (loss or a gradient) or fell back. Peaks measured on "
+                "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
 SPECS: dict[str, Spec] = {s.name: s for s in (
     RUN, INTERLEAVED, ZOO,
-    Spec("budget-bound", ("model",)),
-    Spec("budget-floor", ("model",)),
+    Spec("budget-bound", ("model",), title=lambda res: f"Recompute a budget needs: `{res.study}`",
+         note="GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); % = of one "
+              "eager step's FLOPs. *Bound*: the least any plan keeping at most the cap recomputes (min-cut "
+              "frontier hull, every forward op recomputable); fxmem: its plan at that `memory_budget`; torch: "
+              "Inductor with `activation_memory_budget` at the same fraction. *ms*: the same with each matmul and "
+              "attention priced by its own time alone at its shapes.",
+         tables=(Table("main", (
+             Column("model", "model", number=False), Column("step GFLOP", "step_flops", lambda v: f"{v / 1e9:.1f}"),
+             Column("level 0 bytes", "level0_bytes", _thousands), Column("fraction", "fraction", "g"),
+             Column("cap bytes", "cap_bytes", _thousands), Column("bound GFLOP (% step)", _gflop("bound_flops")),
+             Column("fxmem bytes", lambda r: f"{r['fxmem_bytes']:,}" if "fxmem_bytes" in r else "infeasible"),
+             Column("fxmem GFLOP", _gflop("fxmem_flops")), Column("fxmem / bound", _over_bound),
+             Column("torch GFLOP", _gflop("torch.recompute_flops")), Column("bound ms", _ns_ms("bound_ns")),
+             Column("fxmem ms", _ns_ms("fxmem_ns")), Column("torch ms", _ns_ms("torch.recompute_ns")),
+             Column("torch recomputes", _heavy, number=False)), each="rows"),)),
+    Spec("budget-floor", ("model",), title=lambda res: f"Below the budget floor: `{res.study}`",
+         note="Eager inner compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make "
+              "if a budget could rerun the vocabulary projection in the backward (it cannot).",
+         tables=(Table("main", (
+             Column("model", "model", number=False), Column("budget", "label", number=False),
+             Column("saved bytes", "saved_bytes", _thousands), Column("measured peak MiB", "measured_peak", "mib"),
+             Column("predicted MiB", "predicted_peak", "mib"),
+             Column("peak at", lambda r: f"{r['phase']} `{r['at']}`", number=False),
+             Column("largest alive (MiB)", _alive, number=False),
+             Column("floor bytes", "floor_bytes", _thousands)), each="rows", replace_row=_floor_row),)),
     Spec("budget-compile-time", ("layers", "config"), tables=(Table("main", (
         Column("layers", "layers", "d"), Column("config", "config", number=False),
         _by("seconds", ".1f", "compile s"), _by("ratio", ".2f", "/ level 0"))),)),
-    Spec("budget-ilp", ("model", "graph", "fraction")),
-    Spec("budget-zoo", ("model",)),
+    Spec("budget-ilp", ("model", "graph", "fraction"), title=lambda res: "The budget's recompute against the exact "
+         "optimum", notes=_ilp_notes,
+         note="Zoo models (tiny configs, eager inner compiler, lowering off). *cap*: the fraction of level 0's saved "
+              "bytes; *fxmem*: the recompute cost (FLOPs, elements for cheap ops) of its plan; *ILP*: the least of "
+              "any saved set within the cap (scipy milp over the same network and costs); *gap*: fxmem / ILP - 1 "
+              "where fxmem's plan is within the cap. Bar: <= 5%.",
+         tables=(Table("main", (
+             Column("model", "model", number=False), Column("family", "family", number=False),
+             Column("graph", "graph", "d"), Column("fraction", "fraction", "g"), Column("cap bytes", "cap", _thousands),
+             Column("fxmem bytes", "fxmem_bytes", _thousands), Column("fxmem cost", "fxmem_cost", ".4g"),
+             Column("ILP cost", "ilp_cost", ".4g"), Column("gap", _ilp_gap))),)),
+    Spec("budget-zoo", ("model",), tables_fn=_budget_zoo_tables, title=lambda res: "Memory budget on the zoo",
+         note="Every zoo model (fxmem.testing.zoo, tiny configs, dropout as shipped), eager inner compiler, lowering "
+              "off. Peaks in KiB, measured on the third step. `monotone`: no fraction peaks above the one before; "
+              "`0 <= L1`: fraction 0 at most level 1's peak; peak_budget = 0.6x level 0's measured peak: met (+3%) "
+              "or warned."),
     Spec("dpsgd", ("variant",), title=lambda res: f"DP-SGD benchmark: {res.study}",
          note="Peak = exact peak of one step above what was live before it; time = median of the timed steps, "
               "variants interleaved; clipped sums checked against the hand loop (max relative error per parameter).",
@@ -211,19 +388,51 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
         Column("tokens", "tokens", "d"), Column("logits / kept grads", "ratio", ".2f"),
         Column("decision", "decision", number=False), Column("level 0 peak ratio", "level0", ".3f"),
         Column("level 1 peak ratio", "level1", ".3f"))),)),
-    Spec("lowering-glu", ("model", "pattern", "size")),
+    Spec("lowering-glu", ("model", "pattern", "size"), title=lambda res: "Fused SwiGLU / GeGLU: planned peak with "
+         "/ without", note="Planned step peak with the pattern lowered / without it (norms lowered in both; eager "
+                           "inner compiler).",
+         tables=(Table("main", (
+             Column("model", "model", number=False), Column("pattern", "pattern", number=False),
+             Column("size", "size", number=False), Column("level 0", "level0", ".3f"),
+             Column("level 1", "level1", ".3f"), Column("level 2", "level2", ".3f"))),)),
     Spec("poisson", ("step",), title=lambda res: f"Poisson-sampled DP-SGD: {res.study}",
          note="Error = max relative error per parameter against an explicit per-example loop; peak = exact peak "
               "of one step above what was live before it.",
          tables=(Table("main", (
              Column("step", "step", "d"), Column("batch", "batch", "d"), Column("error", "rel_err", ".1e"),
              Column("peak MiB", "peak_bytes", _mib2), Column("call s", "call_s", ".2f"))),)),
-    Spec("realistic-compile-time", ("config",)),
+    Spec("realistic-compile-time", ("config",), title=lambda res: "Compile time at 32 layers: fxmem against "
+         "aot_eager", note="Llama config, 32 layers, hidden 64, vocab 32000, batch 2 x seq 128; first step (compile "
+                           "+ run), median of interleaved fresh compiles.",
+         tables=(Table("main", (
+             Column("config", "config", number=False), Column("first step s", "seconds", ".1f"),
+             Column("/ aot_eager", "ratio", ".2f"),
+             Column("every run s", lambda r: ", ".join(f"{t:.1f}" for t in _listed("all")(r)))),
+             where=lambda r: r["config"] != "fxmem_stages"),
+             Table("stages", (Column("stage", lambda r: f"`{r['[0]']}`", number=False), Column("s", "[1]", ".2f")),
+                   where=lambda r: r["config"] == "fxmem_stages", each="stages",
+                   title="fxmem's stages in one level-1 compile (cProfile cumulative seconds)"))),
     Spec("realistic-plan-7b", ("level",), tables=(Table("main", (
         Column("level", "level", "d"), Column("plan s", "seconds", ".1f"), Column("peak GiB", "peak", "gib"),
         Column("resident GiB", "resident", "gib"), Column("resident + Adam GiB", "resident_adam", "gib"),
         Column("max batch", "max_batch", "d"), Column("max batch (Adam)", "max_batch_adam", "d"))),)),
-    Spec("report", ("model", "plan")),
+    Spec("report", ("model", "plan"), title=lambda res: f"Benchmark `{res.study}`: predicted vs measured step peak",
+         note="CPU; fxmem eager inner compiler; one `dynamic=True` compile per row group. Peak = bytes allocated "
+              "during forward + backward (gradients included, parameters and inputs not), measured on the second "
+              "step at each shape.",
+         tables=(Table("main", (
+             Column("model", "model", number=False), Column("plan", "plan", number=False),
+             Column("batch x seq", lambda r: f"{r['batch']}x{r['seq']}", number=False),
+             Column("measured MiB", "measured", _mib2), Column("predicted MiB", "predicted", _mib2),
+             Column("error", "error", "+.3%")), each="shapes"),
+             Table("caps", (
+                 Column("model", "model", number=False), Column("plan", "plan", number=False),
+                 Column("cap MiB", "cap_mib", "d"), Column("max_batch", "max_batch", "d"),
+                 Column("measured MiB at max_batch", "measured_at_max", "mib"),
+                 Column("fits", lambda r: "yes" if r["fits"] else "no", number=False),
+                 Column("predicted MiB at max_batch+1", "predicted_next", "mib"),
+                 Column("exceeds", lambda r: "yes" if r["next_exceeds"] else "no", number=False)),
+                 each="caps", title="max_batch"))),
     Spec("gpu", ("step", "case")),
 )}
 
