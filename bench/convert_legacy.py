@@ -64,7 +64,7 @@ def convert(path: Path, text: str, base: str) -> harness.Results:
     keys = tables.spec_for(meta["spec"]).case
     when = meta.get("commit"), meta.get("date_utc")
     rows = harness.records_to_rows(study, records, keys, *when)
-    targets = meta.get("run", {}).pop("targets", [])
+    targets = meta.get("run", {}).pop("targets", None) or meta.pop("targets", [])  # {meta, rows}: in meta
     rows += harness.records_to_rows(study, [{"case": harness.TARGET + t["target"], **t} for t in targets],
                                     ("case",), *when)
     return harness.Results(study, meta, rows)

@@ -332,13 +332,13 @@ def md_header(meta: dict) -> str:
 
 
 def _target(t: dict, key: str) -> str:
-    """A target's value or limit: a byte cap in MiB, a tiny error in e-notation, else 3 decimals."""
+    """A target's value (3 significant digits) or limit (as given); a byte cap in MiB."""
     v = t.get(key)
     if v is None:
         return "-"
     if "cap" in t["target"] and abs(v) >= 2**10:
         return f"{v / MIB:.2f} MiB"
-    return f"{v:.1e}" if 0 < abs(v) < 1e-3 else f"{v:.3f}"
+    return f"{v:.3g}" if key == "value" else f"{v:g}"
 
 
 def render(results: Results) -> str:

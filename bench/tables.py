@@ -373,7 +373,14 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("peak MiB", "peak_bytes", "mib"), Column("vs non-private", "peak_vs_nonprivate", ".3f"),
              Column("vs Opacus", "peak_vs_opacus", ".3f"), Column("ms", "time_s", _ms1),
              Column("vs non-private", "time_vs_nonprivate", ".2f"), Column("vs Opacus", "time_vs_opacus", ".2f"),
-             Column("first call s", "first_call_s", ".1f"))),)),
+             Column("first call s", "first_call_s", ".1f"))),
+             Table("decisions", (
+                 Column("variant", "variant", number=False),
+                 Column("parameter", lambda r: r.get("param") or f"output {r['output']}", number=False),
+                 Column("kind", "kind", number=False),
+                 Column("per-example gradient", lambda r: "x".join(map(str, _listed("shape")(r))), number=False),
+                 Column("T", "tokens", "d"), Column("2T^2 vs P*Q", "reason", number=False),
+                 Column("choice", "choice", number=False)), each="plan.ghost", title="Per-layer decisions"))),
     Spec("kernels", ("family", "case", "variant"), title=lambda res: f"Kernel benchmark: {res.study}",
          note="Time = median of the timed steps, variants interleaved; peak = exact peak of one forward + backward "
               "above what was live before it; ratios against the first (unfused) variant of each case.",
