@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -115,6 +116,27 @@ def pivot(rows: Sequence[dict]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
         out.setdefault(r["case"], {})[r["metric"]] = r["value"]
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+    """A record of ``pivot`` back as nested dicts and lists (``a.b`` and ``a[0]`` in its metric names)."""
+    out: dict = {}
+    for key, value in flat.items():
+        tokens = re.findall(r"\[(\d+)\]|([^.\[\]]+)", key)
+        node: Any = out
+        for i, (index, name) in enumerate(tokens):
+            last = i == len(tokens) - 1
+            step: Any = int(index) if index else name
+            if isinstance(step, int):
+                node.extend([None] * (step + 1 - len(node)))
+            nxt_is_index = not last and bool(tokens[i + 1][0])
+            if last:
+                node[step] = value
+            else:
+                if (node[step] if isinstance(step, int) else node.get(step)) is None:
+                    node[step] = [] if nxt_is_index else {}
+                node = node[step]
     return out
 
 
@@ -349,9 +371,10 @@ def render(results: Results) -> str:
     spec = tables.spec_for(results.meta.get("spec") or tables.spec_name(results.study))
     records = {c: {"__case__": c, **rec} for c, rec in results.records().items() if not c.startswith(TARGET)}
     targets = [rec for c, rec in results.records().items() if c.startswith(TARGET)]
-    out = [f"# {spec.title(results) if spec.title else results.study}", "", md_header(results.meta), ""]
-    if spec.note:
-        out += [spec.note, ""]
+    out = [f"# {spec.title(results) if spec.title else results.study}", "", md_header(results.meta).rstrip("\n"), ""]
+    note = spec.note(results) if callable(spec.note) else spec.note
+    if note:
+        out += [note, ""]
     for t in tables.tables_of(spec, records) or (default_table(records),):
         if t.title:
             out += [f"## {t.title}", ""]

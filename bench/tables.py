@@ -27,7 +27,7 @@ class Spec:
     case: tuple[str, ...]
     tables: Sequence[Table] = ()
     title: Callable[[Results], str] | None = None
-    note: str = ""
+    note: str | Callable[[Results], str] = ""
     notes: Callable[[Records], list[str]] | None = None
     tables_fn: Callable[[Records], Sequence[Table]] | None = field(default=None)
 
@@ -289,6 +289,91 @@ def _ilp_notes(records: Records) -> list[str]:
             + ", ".join(f"{m} {100 * g:.2f}%" for m, g in by_model.items()) + "."]
 
 
+# --- bench/studies/summarize_planner.py and summarize_lowering.py: comparisons of a run.py study ----
+
+
+def _pf(ok) -> str:
+    return "n/a" if ok is None else ("pass" if ok else "**FAIL**")
+
+
+def _yes(ok) -> str:
+    return "" if ok is None else ("yes" if ok else "**NO**")
+
+
+def _ratio_text(r: dict) -> str:
+    if "time_ratio" not in r:
+        return ""
+    where = f"; per-round pairs in `{r['timed_in']}`" if r.get("timed_in") else ""
+    return f"{r['time_ratio']:.2f} (min {r['time_ratio_min']:.2f}{where})"
+
+
+def _peak_or_status(peak: str, status: str) -> Callable[[dict], str]:
+    return lambda r: fmt(r[peak], "mib") if peak in r else r[status]
+
+
+def _is(table: str) -> Callable[[dict], bool]:
+    return lambda r: r.get("table") == table
+
+
+def _verdict(r: dict) -> str:
+    v = r.get("verdict", "")
+    return "**FAIL**" if v == "FAIL" else v
+
+
+def _pair_columns(fx: str, base: str) -> tuple[Column, ...]:
+    return (Column(f"{fx} peak MiB", _peak_or_status("fx_peak_bytes", "fx_status")),
+            Column(f"{base} peak MiB", _peak_or_status("base_peak_bytes", "base_status")),
+            Column("peak ratio", "peak_ratio", ".3f"), Column("peak", lambda r: _pf(r.get("peak_ok")), number=False),
+            Column(f"{fx} ms", "fx_step_s", "ms"), Column(f"{base} ms", "base_step_s", "ms"),
+            Column("time ratio (median; min)", _ratio_text), Column("time", lambda r: _pf(r.get("time_ok")),
+                                                                     number=False))
+
+
+def _model(r: dict) -> str:
+    return r["model"] if r["model"] in ("hf_gpt2", "hf_llama") else f"{r['model']} (informational)"
+
+
+def _targets_note(res: Results) -> str:
+    run = res.meta.get("run", {})
+    tally = res.records().get("tally/target models", {})
+    notes = "".join(f"\n\nNote: {n}" for n in run.get("notes", []))
+    return (f"Comparisons of `{run.get('source')}` (bench/studies/summarize_planner.py: its docstring states the "
+            "targets); time ratios of median step times, \"min\" the ratio of the fastest steps (timing noise); "
+            "per-round pairs where an interleaved run timed both side by side. Tally over the target models "
+            f"(hf_gpt2, hf_llama): {tally.get('pass')} pass, {tally.get('fail')} fail (infeasible budgets and the 1.0 "
+            f"reference rows not counted).{notes}")
+
+
+PLANNER_TARGETS = Spec(
+    "planner-targets", ("table", "model", "inner", "fraction", "torch_config"), note=_targets_note,
+    title=lambda res: f"Targets: `{res.meta.get('run', {}).get('source')}`",
+    tables=(
+        Table("level0", (Column("model", _model, number=False), Column("inner", "inner", number=False),
+                         *_pair_columns("fxmem", "min-cut")), where=_is("level0"),
+              title="Level 0 vs the min-cut partitioner (peak <= 0.85x, step time <= 1.05x)"),
+        Table("level1", (Column("model", _model, number=False), Column("inner", "inner", number=False),
+                         *_pair_columns("fxmem L1", "hf_ckpt")), where=_is("level1"),
+              title="Level 1 vs eager + HF gradient checkpointing (peak <= 1x, step time <= 1x)"),
+        Table("sweep", (Column("model", _model, number=False), Column("inner", "inner", number=False),
+                        Column("fraction", "fraction", "g"), Column("baseline", "base", number=False),
+                        *_pair_columns("fxmem", "baseline"), Column("monotone", lambda r: _yes(r.get("monotone")),
+                                                                    number=False),
+                        Column("verdict", _verdict, number=False)), where=_is("sweep"),
+              title="Budget sweep vs torch's `activation_memory_budget` at the same fraction (1.0: level 0 vs the "
+                    "baseline without a budget, the reference)"),
+        Table("pareto", (Column("model", "model", number=False), Column("inner", "inner", number=False),
+                         Column("torch config", lambda r: f"`{r['torch_config']}`", number=False),
+                         Column("torch peak MiB", "torch_peak_bytes", "mib"),
+                         Column("fxmem config", lambda r: f"`{r['fx_config']}`" if "fx_config" in r else
+                                "none at this peak", number=False),
+                         Column("fxmem peak MiB", "fx_peak_bytes", "mib"),
+                         Column("time ratio (median; min)", _ratio_text),
+                         Column("dominated", lambda r: "yes" if r["dominated"] else "**no**", number=False)),
+              where=_is("pareto"),
+              title="Every torch budget point against fxmem's fastest point at no higher peak (informational)"),
+    ))
+
+
 ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
            title=lambda res: f"The zoo, {res.study.removeprefix('zoo-')} profile",
            note="Every zoo model (`fxmem.testing.zoo`, dropout as shipped), eager inner compiler, fxmem's default "
@@ -296,7 +381,7 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                 "error); `!` marks a step that is not eager's (loss or a gradient) or fell back. Peaks measured on "
                 "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
 SPECS: dict[str, Spec] = {s.name: s for s in (
-    RUN, INTERLEAVED, ZOO,
+    RUN, INTERLEAVED, ZOO, PLANNER_TARGETS,
     Spec("budget-bound", ("model",), title=lambda res: f"Recompute a budget needs: `{res.study}`",
          note="GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); % = of one "
               "eager step's FLOPs. *Bound*: the least any plan keeping at most the cap recomputes (min-cut "
