@@ -374,6 +374,21 @@ PLANNER_TARGETS = Spec(
     ))
 
 
+LOWERING_TARGETS = Spec(
+    "lowering-targets", ("model", "config"), title=lambda res: f"Targets: `{res.meta.get('run', {}).get('source')}`",
+    note=lambda res: ("Each lowered configuration against the same configuration without lowering (same inner "
+                      "compiler, same level): peak at most 0.6x, median step time at most 1.1x; loss within 1e-5 and "
+                      "gradient norm within 1e-4 of eager (bench/studies/summarize_lowering.py). `+loss_only` "
+                      "compiles the model returning only its loss; the last row of each model is the HF model as is."
+                      + "".join(f"\n\nNote: {n}" for n in res.meta.get("run", {}).get("notes", []))),
+    tables=(Table("main", (
+        Column("model", "model", number=False), Column("lowered", lambda r: f"`{r['config']}`", number=False),
+        Column("against", lambda r: f"`{r['base']}`", number=False),
+        Column("peak ratio", lambda r: f"{r['peak_ratio']:.2f}" if "peak_ratio" in r else "not run"),
+        Column("time ratio (median; min)", _ratio_text), Column("loss & grads", "check", number=False),
+        Column("target", lambda r: _pf(r.get("ok")) if "ok" in r else "", number=False))),))
+
+
 ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
            title=lambda res: f"The zoo, {res.study.removeprefix('zoo-')} profile",
            note="Every zoo model (`fxmem.testing.zoo`, dropout as shipped), eager inner compiler, fxmem's default "
@@ -381,7 +396,7 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                 "error); `!` marks a step that is not eager's (loss or a gradient) or fell back. Peaks measured on "
                 "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
 SPECS: dict[str, Spec] = {s.name: s for s in (
-    RUN, INTERLEAVED, ZOO, PLANNER_TARGETS,
+    RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS,
     Spec("budget-bound", ("model",), title=lambda res: f"Recompute a budget needs: `{res.study}`",
          note="GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); % = of one "
               "eager step's FLOPs. *Bound*: the least any plan keeping at most the cap recomputes (min-cut "
