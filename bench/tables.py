@@ -389,6 +389,59 @@ LOWERING_TARGETS = Spec(
         Column("target", lambda r: _pf(r.get("ok")) if "ok" in r else "", number=False))),))
 
 
+# --- bench/gpu.py: per step, its title and its table's columns (header, row key, format) -------------
+
+_R = ".2f"  # a ratio
+GPU_COLUMNS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "kernels": ("1. Fused kernels: Triton vs portable vs plain PyTorch (worst |error| / tolerance; <= 1 passes)", [
+        ("kernel", "item", ""), ("dtype", "dtype", ""), ("paths", "paths", ""), ("forward", "fwd", ".2g"),
+        ("backward", "bwd", ".2g"), ("vmap(grad)", "vmap", ".2g"), ("s", "wall_s", ".1f")]),
+    "replay": ("2. Dropout replay: fxmem vs eager, same seed (bit for bit)", [
+        ("config", "item", ""), ("loss", "loss_equal", ""), ("grads equal", "grads_equal", ""),
+        ("generator after", "rng_equal", ""), ("max |grad diff|", "max_grad_diff", ".3g"),
+        ("second step", "second_equal", ""), ("s", "wall_s", ".1f")]),
+    "peaks": ("3. Step peaks under bf16 autocast: measured vs fxmem's prediction; step times", [
+        ("model", "model", ""), ("config", "item", ""), ("peak MiB", "peak_mib", ".1f"),
+        ("predicted MiB", "predicted_mib", ".1f"), ("predicted / measured", "predicted_ratio", ".3f"),
+        ("peak / eager", "peak_vs_eager", _R), ("of device", "device_fill", ".0%"), ("step ms", "step_ms", ".1f"),
+        ("time / eager", "time_vs_eager", _R), ("compile s", "compile_s", ".1f")]),
+    "loss": ("4. Fused linear cross-entropy at a large vocabulary", [
+        ("shape", "case", ""), ("variant", "item", ""), ("loss & grads rel err", "rel_err", ".1e"),
+        ("peak MiB", "peak_mib", ".1f"), ("peak / unfused", "peak_ratio", ".3f"), ("ms", "ms", ".2f"),
+        ("time / unfused", "time_ratio", _R)]),
+    "dpsgd": ("5. DP-SGD: clipped per-example gradient sums", [
+        ("variant", "item", ""), ("clipped sum rel err", "rel_err", ".1e"), ("peak MiB", "peak_mib", ".1f"),
+        ("peak / Opacus", "peak_vs_opacus", _R), ("ms", "ms", ".1f"), ("time / Opacus", "time_vs_opacus", _R)]),
+}
+
+
+
+
+def _gpu_cell(how: str) -> str | Callable:
+    return lambda v: ("yes" if v else "NO") if isinstance(v, bool) else (format(v, how) if how and not
+                                                                          isinstance(v, str) else fmt(v, "str"))
+
+
+def _gpu_notes(records: Records) -> list[str]:
+    notes: dict[str, list[str]] = {}  # reason -> the rows that give it
+    for r in records.values():
+        if r.get("reason"):
+            notes.setdefault(f"{r['step']}: {r['reason']}", []).append(str(r.get("item")))
+    return [f"- {', '.join(dict.fromkeys(items))} ({why})" for why, items in notes.items()]
+
+
+GPU = Spec("gpu", ("step", "model", "case", "item"), notes=_gpu_notes,
+           title=lambda res: f"GPU run `{res.study}`",
+           note=lambda res: (f"Device `{res.meta.get('run', {}).get('device')}` "
+                             f"({res.meta.get('run', {}).get('device_name') or 'no CUDA'}), "
+                             + ("dry run (tiny sizes)" if res.meta.get("run", {}).get("dry_run") else "full sizes")
+                             + ". See bench/README.md, \"The GPU run\"."),
+           tables=tuple(Table(step, (*[Column(h, k, _gpu_cell(f), number=bool(f)) for h, k, f in cols],
+                                     Column("status", "status", number=False)),
+                              where=lambda r, step=step: r["step"] == step, title=title)
+                        for step, (title, cols) in GPU_COLUMNS.items()))
+
+
 ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
            title=lambda res: f"The zoo, {res.study.removeprefix('zoo-')} profile",
            note="Every zoo model (`fxmem.testing.zoo`, dropout as shipped), eager inner compiler, fxmem's default "
@@ -396,7 +449,7 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                 "error); `!` marks a step that is not eager's (loss or a gradient) or fell back. Peaks measured on "
                 "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
 SPECS: dict[str, Spec] = {s.name: s for s in (
-    RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS,
+    RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS, GPU,
     Spec("budget-bound", ("model",), title=lambda res: f"Recompute a budget needs: `{res.study}`",
          note="GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); % = of one "
               "eager step's FLOPs. *Bound*: the least any plan keeping at most the cap recomputes (min-cut "
@@ -540,7 +593,6 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
                  Column("predicted MiB at max_batch+1", "predicted_next", "mib"),
                  Column("exceeds", lambda r: "yes" if r["next_exceeds"] else "no", number=False)),
                  each="caps", title="max_batch"))),
-    Spec("gpu", ("step", "case")),
 )}
 
 # study name -> spec name, first match wins (exact names first)
