@@ -271,11 +271,13 @@ class Table:
     title: str = ""
     replace_row: Callable[[dict], list[str] | None] | None = None
     each: str = ""  # a list of a record (``rows``): one table row per item, its fields beside the record's
+    sort: Callable[[dict], Any] | None = None  # the rows' order (default: the results')
 
     def lines(self, records: dict[str, dict]) -> list[str]:
         out = ["| " + " | ".join(c.header for c in self.columns) + " |",
                "|" + "|".join("---:" if c.number else "---" for c in self.columns) + "|"]
-        for rec in (expand(records, self.each) if self.each else records.values()):
+        shown = expand(records, self.each) if self.each else list(records.values())
+        for rec in sorted(shown, key=self.sort) if self.sort else shown:
             if self.where is not None and not self.where(rec):
                 continue
             cells = self.replace_row(rec) if self.replace_row else None
