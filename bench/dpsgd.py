@@ -240,7 +240,8 @@ def main(argv=None) -> int:
     run_info = dict(name=args.name, steps=args.steps, threads=args.threads or torch.get_num_threads(),
                     wall_s=round(time.perf_counter() - t0, 1), **info)
     targets = run_info.pop("targets")
-    jp, _ = harness.write(args.name, rows, args.out_dir, meta=meta, run=run_info, targets=targets)
+    jp, _ = harness.write(args.name, rows, args.out_dir, meta=meta, run=run_info, targets=targets,
+                            spec="dpsgd")
     print("targets:", flush=True)
     for t in targets:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)

@@ -31,6 +31,8 @@ FULL = dict(vocab=4096, d=128, layers=2, heads=4, seq=64, batch=32, rank=8, micr
 QUICK = dict(vocab=64, d=32, layers=1, heads=2, seq=8, batch=8, rank=2, microbatch=2)
 
 
+SPEC = "dpsgd-lora"  # its table spec in bench/tables.py, whatever --name says
+
 def loop(loss, C, trainable, frozen, ids) -> dict:
     total = {k: torch.zeros_like(v) for k, v in trainable.items()}
     for i in range(ids.shape[0]):
@@ -98,7 +100,7 @@ def run(args) -> tuple[list[dict], dict]:
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="dpsgd-lora")
     ap.add_argument("--inner", default="eager", choices=("inductor", "eager"), help="fxmem's inner compiler")
-    return common.run_with_targets(ap, run, argv)
+    return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 
 if __name__ == "__main__":

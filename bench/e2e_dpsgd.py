@@ -70,6 +70,8 @@ C, SIGMA, DELTA, LR, SEED = 1.0, 1.0, 1e-5, 1e-3, 0
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
+SPEC = "dpsgd-e2e"  # its table spec in bench/tables.py, whatever --name says
+
 def _lm_loss(logits: torch.Tensor, ids: torch.Tensor, criterion=None) -> torch.Tensor:
     b, t, v = logits.shape
     args = (logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
@@ -289,7 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"), help="fxmem's inner compiler")
     ap.add_argument("--microbatch", type=int, default=0, help="physical batch cap / microbatch (default 8; quick 4)")
     ap.add_argument("--steps", type=int, default=0, help="training steps (default 20; quick 8)")
-    return common.run_with_targets(ap, run, argv)
+    return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ FULL = dict(vocab=4096, d=128, layers=2, heads=4, seq=64, mean=32.0, steps=20, m
 QUICK = dict(vocab=64, d=16, layers=1, heads=2, seq=8, mean=12.0, steps=10, microbatch=4)
 
 
+SPEC = "poisson"  # its table spec in bench/tables.py, whatever --name says
+
 def sizes(steps: int, mean: float, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     drawn = [int(s) for s in torch.poisson(torch.full((steps - 1,), mean), generator=g)]
@@ -135,7 +137,7 @@ def run(args) -> tuple[list[dict], dict]:
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="poisson")
     ap.add_argument("--inner", default="eager", choices=("inductor", "eager"), help="fxmem's inner compiler")
-    return common.run_with_targets(ap, run, argv)
+    return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 
 if __name__ == "__main__":
