@@ -36,7 +36,9 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class Case:
-    """What one measurement is of: a model under a configuration at a shape, in a study."""
+    """What one measurement is of: a model under a configuration at a shape, in a study. Programs
+    that build rows one at a time name them with it (``Measurement(Case(...).name, ...)``); those
+    that build one dict per case name it by their spec's case keys (``case_name``)."""
 
     model: str
     config: str = ""
@@ -323,11 +325,6 @@ def _auto(metric: str, value: Any) -> str:
     return f"{value:.4g}"
 
 
-def render_table(results: Results, table: Table) -> str:
-    records = {c: {"__case__": c, **rec} for c, rec in results.records().items()}
-    return "\n".join(table.lines(records))
-
-
 def md_header(meta: dict) -> str:
     """The command, and where and when it ran (what ``meta`` records of it): the lines under a
     results file's title."""
@@ -366,8 +363,8 @@ def _target(t: dict, key: str) -> str:
 
 
 def render(results: Results) -> str:
-    """``<study>.md``: the title, ``md_header``, the spec's notes and tables, then any row that is
-    a long text (a failure's reason) as a note."""
+    """``<study>.md``: the title, ``md_header``, the spec's note, its tables (``default_table``
+    without one), the targets (cases ``target/...``) and the spec's notes."""
     import tables
 
     spec = tables.spec_for(results.meta.get("spec") or tables.spec_name(results.study))

@@ -59,6 +59,10 @@ def test_a_changed_result_fails_the_check_in_its_markdown_and_the_docs(tmp_path,
 
 
 def test_records_become_long_rows_and_back():
+    case = harness.Case("gpt2_small", "fxmem-L1", "b8xs256", "realistic")
+    assert harness.Measurement(case.name, "peak_bytes", 5, "bytes").row("realistic", "c", "t") == {
+        "study": "realistic", "case": "gpt2_small/fxmem-L1/b8xs256", "metric": "peak_bytes", "unit": "bytes",
+        "value": 5, "commit": "c", "time": "t"}
     recs = [{"model": "m", "config": "a", "peak_bytes": 10, "times": [0.5, 0.25], "plan": {"level": 1}, "x": None},
             {"model": "m", "config": "b", "peak_bytes": 7}]
     rows = harness.records_to_rows("s", recs, ("model", "config"), "c0ffee", "2026-01-01 00:00:00")
@@ -68,6 +72,7 @@ def test_records_become_long_rows_and_back():
                                            "times[1]": 0.25, "plan.level": 1},
                                    "m/b": {"model": "m", "config": "b", "peak_bytes": 7}}
     assert [r["unit"] for r in rows if r["metric"].startswith("times")] == ["s", "s"]
+    assert harness.unflatten(harness.pivot(rows)["m/a"]) == {k: v for k, v in recs[0].items() if v is not None}
     with pytest.raises(ValueError, match=r"two records have the case 'm/b'"):
         harness.records_to_rows("s", recs + recs[1:], ("model", "config"), None, None)
 
