@@ -1,4 +1,4 @@
-"""What every benchmark and study shares: one command line and one results writer.
+"""What every benchmark and study shares: one command line and the record of a run.
 
     import common                                   # bench/ is on sys.path (see below)
 
@@ -7,14 +7,12 @@
     a = common.parse(p)                             # a.name has -quick appended under --quick
     common.set_threads(a.threads)
     ...
-    common.write_results(a.name, rows, markdown_text, a.out_dir, a.command, extra={"run": {...}})
+    harness.write(a.name, records, a.out_dir, meta=common.metadata(a.command), run={...})
 
-``write_results`` writes ``<out-dir>/<name>.json``: ``{"name", "meta", **extra, "results"}``,
-where ``meta`` is the run's record (``metadata()``: git commit, ``-dirty`` if the checkout has
-uncommitted changes outside bench/results; the machine; torch, Python and the benchmark
-packages' versions; the date; the exact command line), and ``<out-dir>/<name>.md``: the script's
-markdown with a short header from ``meta`` under its title. Both are replaced atomically, so a
-script may rewrite them after every measurement and an interrupted run keeps what it measured.
+``metadata()`` is the run's record that every results file carries as ``meta``: git commit
+(``-dirty`` if the checkout has uncommitted changes outside bench/results), the machine, torch,
+Python and the benchmark packages' versions, the date, the exact command line. The results
+themselves are written by ``harness.write`` (bench/harness.py: the one format and renderer).
 
 Imports: scripts import their bench siblings by name (``import configs``, ``import common``)
 with bench/ on ``sys.path``: ``python bench/x.py`` puts it there; a study in bench/studies/
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import shlex
@@ -155,63 +152,6 @@ def metadata(command: str | None = None) -> dict:
     }
 
 
-def md_header(meta: dict) -> str:
-    """Two lines for the top of a results markdown file: the command, and where and when it ran."""
-    m = meta.get("machine", {})
-    commit = meta.get("commit") or "?"
-    dirty = commit.endswith("-dirty")
-    commit = commit[:-len("-dirty")] if dirty else commit
-    pk = meta.get("packages", {})
-    soft = f"torch {meta.get('torch')}" + "".join(
-        f", {k} {pk[k]}" for k in ("transformers", "opacus", "opake") if k in pk)
-    cpus = f"{m.get('cpu') or 'unknown CPU'}, {m.get('cpu_count')} CPUs"
-    if m.get("cpu_affinity") and m.get("cpu_affinity") != m.get("cpu_count"):
-        cpus += f" ({m['cpu_affinity']} usable)"
-    where = cpus + (f", {m['cuda']}" if m.get("cuda") else "")
-    src = meta.get("fxmem_source")
-    src = "" if src in (None, "fxmem") else f"; fxmem from `{src}`"
-    return (f"`{meta.get('command')}`\n\n"
-            f"{meta.get('date_utc')} UTC; commit `{commit[:10]}`" + (" (uncommitted changes)" if dirty else "")
-            + f"{src}; {soft}, Python {meta.get('python')}; {where}.\n")
-
-
-# --- the results writer --------------------------------------------------------------------
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def with_header(markdown: str, meta: dict) -> str:
-    """``markdown`` with ``md_header(meta)`` under its ``# title`` line (or at the top without one)."""
-    head = md_header(meta)
-    if markdown.startswith("# "):
-        title, _, rest = markdown.partition("\n")
-        return f"{title}\n\n{head}\n{rest.lstrip(chr(10))}"
-    return f"{head}\n{markdown}"
-
-
-def write_results(name: str, results: list[dict] | dict, markdown: str, out_dir: str | os.PathLike = RESULTS,
-                  command: str | None = None, *, meta: dict | None = None,
-                  extra: dict | None = None) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.md``; return their paths.
-
-    JSON: ``{"name": name, "meta": meta, **extra, "results": results}``; ``meta`` defaults to
-    ``metadata(command)`` (pass one made at the start of a run that rewrites its files as it goes,
-    so the date is the run's). Markdown: ``markdown`` with the metadata header under its title.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = meta if meta is not None else metadata(command)
-    doc = {"name": name, "meta": meta, **(extra or {}), "results": results}
-    jp, mp = out / f"{name}.json", out / f"{name}.md"
-    _write(jp, json.dumps(doc, indent=1, default=str) + "\n")
-    _write(mp, with_header(markdown, meta).rstrip("\n") + "\n")
-    return jp, mp
-
-
 # --- the command line ----------------------------------------------------------------------
 
 
@@ -291,31 +231,27 @@ def set_threads(threads: int | None) -> None:
 # --- scripts whose results end in a table of targets -------------------------------------------
 
 
-def targets_lines(targets: Sequence[dict]) -> list[str]:
-    """The markdown ``## Targets`` table: one row per ``{target, value, limit, met}``."""
-    lines = ["", "## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
-    for t in targets:
-        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['limit']:g} | {'met' if t['met'] else 'MISSED'} |")
-    return lines
-
-
-def run_with_targets(ap: argparse.ArgumentParser, run, markdown, argv: Sequence[str] | None = None) -> int:
-    """Parse ``ap``, run ``run(args) -> (rows, info)`` (``info["targets"]``), write
-    ``<name>.json``/``.md`` (``markdown(rows, info)``, with ``info`` holding ``name`` and
-    ``wall_s``), print the targets; exit status 0 when every target is met."""
+def run_with_targets(ap: argparse.ArgumentParser, run, argv: Sequence[str] | None = None,
+                     spec: str | None = None) -> int:
+    """Parse ``ap``, run ``run(args) -> (records, info)`` (``info["targets"]``: ``{target, value,
+    limit, met}``), write ``<name>.json``/``.md`` through ``harness.write`` (``info`` with ``name``
+    and ``wall_s`` as the run's settings), print the targets; exit status 0 when every one is met."""
     import time
+
+    import harness
 
     args = parse(ap, argv)
     set_threads(args.threads)
     meta = metadata(args.command)
     t0 = time.perf_counter()
-    rows, info = run(args)
+    records, info = run(args)
+    targets = info.pop("targets")
     info.update(name=args.name, wall_s=round(time.perf_counter() - t0, 1))
-    jp, _ = write_results(args.name, rows, markdown(rows, info), args.out_dir, meta=meta, extra={"run": info})
-    for t in info["targets"]:
+    jp, _ = harness.write(args.name, records, args.out_dir, meta=meta, run=info, targets=targets, spec=spec)
+    for t in targets:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
     print(f"wrote {jp} and .md ({info['wall_s']:.0f} s)", flush=True)
-    return 0 if all(t["met"] for t in info["targets"]) else 1
+    return 0 if all(t["met"] for t in targets) else 1
 
 
 def zoo_steps(w, options: dict, steps: int = 3):

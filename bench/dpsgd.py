@@ -33,6 +33,7 @@ from torch.func import grad, vmap
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from dpsgd_models import gpt, per_example_loss  # noqa: E402
 
 from fxmem.dpsgd import clipped_grad  # noqa: E402
@@ -223,46 +224,6 @@ def _targets(by: dict) -> list[dict]:
     return out
 
 
-def _markdown(rows, meta) -> str:
-    lines = [f"# DP-SGD benchmark: {meta['name']}", "",
-             f"CPU, {meta['threads']} torch thread(s). Model: plain GPT, {meta['shape']['layers']} layers, "
-             f"hidden {meta['shape']['d']}, {meta['shape']['heads']} heads, vocab {meta['shape']['vocab']}, "
-             f"no weight tying ({meta['params'] / 1e6:.2f}M params); batch {meta['shape']['batch']}, "
-             f"sequence {meta['shape']['seq']}, C = {meta['clipping_norm']}; fxmem inner compiler: "
-             f"{meta['inner']}. Peak = exact peak of one step above what was live before it (allocator "
-             f"events); time = median of {meta['steps']} steps after warm-up, variants interleaved. "
-             "Clipped sums are checked against the hand loop (max relative error per parameter).",
-             "", "| variant | m | clipped sum | peak MiB | vs opake | vs hand loop | ms | vs opake | first call s |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "peak_bytes" not in r:
-            lines.append(f"| {r['variant']} | - | {r.get('error', 'failed')} | | | | | | |")
-            continue
-        lines.append(f"| {r['variant']} | {r['microbatch']} | {'ok' if r['ok'] else 'MISMATCH'} "
-                     f"({r['rel_err']:.1e}) | {r['peak_bytes'] / MIB:.1f} | {r.get('peak_vs_opake', 0):.3f} | "
-                     f"{r.get('peak_vs_hand', 0):.3f} | {r['time_s'] * 1e3:.1f} | {r.get('time_vs_opake', 0):.2f} | "
-                     f"{r['first_call_s']:.1f} |")
-    lines += ["", "## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
-    for t in meta["targets"]:
-        v, lim = t["value"], t["limit"]
-        fmt = (lambda x: "-" if x is None else f"{x / MIB:.2f} MiB") if "cap" in t["target"] else \
-            (lambda x: "-" if x is None else f"{x:.3f}")
-        lines.append(f"| {t['target']} | {fmt(v)} | {fmt(lim)} | {'met' if t['met'] else 'MISSED'} |")
-    plans = [(r["variant"], r["plan"], r.get("auto")) for r in rows if r.get("plan")]
-    if plans:
-        lines += ["", "## What fxmem decided", ""]
-        for name, p, auto in plans:
-            line = f"- {name}: chunks of {p['microbatch_size']}" + ("" if p["chunked"] else
-                                                                    f"; not chunked: {p['reason']}")
-            if auto:
-                def mib(d):
-                    return ", ".join(f"m={k}: {v / MIB:.1f} MiB" for k, v in sorted(d.items()))
-                line += (f"; eager peaks {mib(auto['eager'])}; predicted {mib(auto['predicted'])}; "
-                         f"measured (compiled, with the running sums) {mib(auto['measured'])}")
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="dpsgd")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"),
@@ -278,10 +239,11 @@ def main(argv=None) -> int:
     rows, info = run(args)
     run_info = dict(name=args.name, steps=args.steps, threads=args.threads or torch.get_num_threads(),
                     wall_s=round(time.perf_counter() - t0, 1), **info)
-    jp, _ = common.write_results(args.name, rows, _markdown(rows, run_info), args.out_dir, meta=meta,
-                                 extra={"run": run_info})
+    targets = run_info.pop("targets")
+    jp, _ = harness.write(args.name, rows, args.out_dir, meta=meta, run=run_info, targets=targets,
+                            spec="dpsgd")
     print("targets:", flush=True)
-    for t in run_info["targets"]:
+    for t in targets:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'}", flush=True)
     print(f"wrote {jp} and .md ({run_info['wall_s']:.0f} s)", flush=True)
     return 0 if all(r.get("ok") for r in rows if "peak_bytes" in r) else 1

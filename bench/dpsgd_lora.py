@@ -31,6 +31,8 @@ FULL = dict(vocab=4096, d=128, layers=2, heads=4, seq=64, batch=32, rank=8, micr
 QUICK = dict(vocab=64, d=32, layers=1, heads=2, seq=8, batch=8, rank=2, microbatch=2)
 
 
+SPEC = "dpsgd-lora"  # its table spec in bench/tables.py, whatever --name says
+
 def loop(loss, C, trainable, frozen, ids) -> dict:
     total = {k: torch.zeros_like(v) for k, v in trainable.items()}
     for i in range(ids.shape[0]):
@@ -95,27 +97,10 @@ def run(args) -> tuple[list[dict], dict]:
     return rows, info
 
 
-def _markdown(rows, info) -> str:
-    s = info["shape"]
-    lines = [f"# DP-SGD with LoRA: {info['name']}", "",
-             f"Llama from a config ({s['layers']} layers, hidden {s['d']}, {s['heads']} heads, vocab {s['vocab']}), "
-             f"peft LoRA rank {s['rank']} on q_proj and v_proj ({info['trainable']:,} adapter parameters, "
-             f"{info['frozen']:,} frozen); batch {s['batch']} x {s['seq']} tokens, C = 1; fxmem inner compiler "
-             f"{info['inner']}. Peak = exact peak of one step above what was live before it (allocator events).",
-             "", "| variant | peak MiB | vs non-private | error vs loop | step s | first call s |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
-        lines.append(f"| {r['variant']} | {r['peak_bytes'] / MIB:.2f} | {r['peak_vs_nonprivate']:.3f} | {err} | "
-                     f"{r['step_s']:.3f} | {r['first_call_s']:.1f} |")
-    lines += common.targets_lines(info["targets"])
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="dpsgd-lora")
     ap.add_argument("--inner", default="eager", choices=("inductor", "eager"), help="fxmem's inner compiler")
-    return common.run_with_targets(ap, run, _markdown, argv)
+    return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ C, SIGMA, DELTA, LR, SEED = 1.0, 1.0, 1e-5, 1e-3, 0
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
+SPEC = "dpsgd-e2e"  # its table spec in bench/tables.py, whatever --name says
+
 def _lm_loss(logits: torch.Tensor, ids: torch.Tensor, criterion=None) -> torch.Tensor:
     b, t, v = logits.shape
     args = (logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
@@ -284,42 +286,12 @@ def run(args) -> tuple[list[dict], dict]:
     return out, info
 
 
-def _markdown(rows: list[dict], info: dict) -> str:
-    s = info["shape"]
-    sizes = info["batch_sizes"]
-    lines = [f"# End-to-end private training: {info['name']}", "",
-             f"CPU, 1 torch thread. Plain GPT, {s['layers']} layers, hidden {s['d']}, {s['heads']} heads, vocab "
-             f"{s['vocab']}, sequence {s['seq']} ({info['params'] / 1e6:.2f}M params), Adam lr {info['lr']:g}; "
-             f"dataset {s['dataset']} sequences, the same {info['steps']} Poisson batches for every variant "
-             f"(expected {s['batch']}; drawn: {min(sizes)}-{max(sizes)}, mean {statistics.fmean(sizes):.1f}); "
-             f"private: C = {info['clipping_norm']:g}, noise multiplier {info['noise_multiplier']:g}, RDP, "
-             f"delta {info['delta']:g}, physical batch cap / microbatch {info['microbatch']}; fxmem inner "
-             f"compiler {info['inner']}. Time = median of steps {info['warmup'] + 1}-"
-             f"{info['steps'] - info['peak_steps']} (variants interleaved); peak = exact peak of a step above "
-             f"what was live before it, max over the last {info['peak_steps']} steps (profiled, not timed); "
-             "compiles = Dynamo graphs + fxmem chunk graphs over the run.", "",
-             "Time ratios: of the medians, and (paired) the median of the per-step ratios on the same "
-             "batch in the same round.", "",
-             "| variant | ms / step | vs non-private (paired) | vs Opacus ghost (paired) | peak MiB | "
-             "vs non-private | vs Opacus ghost | compiles | epsilon | first step s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3f}"
-        lines.append(f"| {r['variant']} | {r['time_s'] * 1e3:.1f} | {r['time_vs_nonprivate']:.2f} "
-                     f"({r['paired_time_vs_nonprivate']:.2f}) | {r['time_vs_opacus_ghost']:.2f} "
-                     f"({r['paired_time_vs_opacus_ghost']:.2f}) | {r['peak_bytes'] / MIB:.1f} | "
-                     f"{r['peak_vs_nonprivate']:.2f} | "
-                     f"{r['peak_vs_opacus_ghost']:.2f} | {r['compiles']} | {eps} | {r['first_step_s']:.1f} |")
-    lines += common.targets_lines(info["targets"])
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="dpsgd-e2e")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"), help="fxmem's inner compiler")
     ap.add_argument("--microbatch", type=int, default=0, help="physical batch cap / microbatch (default 8; quick 4)")
     ap.add_argument("--steps", type=int, default=0, help="training steps (default 20; quick 8)")
-    return common.run_with_targets(ap, run, _markdown, argv)
+    return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 
 if __name__ == "__main__":

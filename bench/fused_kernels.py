@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from kernel_cases import all_cases  # noqa: E402
 
 from fxmem.profiling import step_perf  # noqa: E402
@@ -81,26 +82,6 @@ def run_case(case, steps: int, device: str) -> list[dict]:
     return list(rows.values())
 
 
-def _markdown(rows, meta) -> str:
-    lines = [f"# Kernel benchmark: {meta['name']}", "",
-             f"Device `{meta['device']}`, {meta['threads']} torch thread(s); time = median of {meta['steps']} steps "
-             "after warm-up, variants interleaved; peak = exact peak of one forward + backward above "
-             "what was live before it. Ratios are against the first (unfused) variant of each case.",
-             "", "| family | case | variant | grads | peak MiB | peak ratio | ms | time ratio | targets |",
-             "|---|---|---|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        tgt = ", ".join(f"{k} <= {v}" for k, v in r["targets"].items())
-        met = ""
-        if r["targets"]:
-            good = all(r.get(k) is not None and r[k] <= v for k, v in r["targets"].items())
-            met = " (met)" if good else " (MISSED)"
-        lines.append(f"| {r['family']} | {r['case']} | {r['variant']} | "
-                     f"{'ok' if r['ok'] else 'MISMATCH'} ({r['rel_err']:.1e}) | "
-                     f"{r['peak_bytes'] / MIB:.1f} | {r['peak_ratio']:.3f} | "
-                     f"{r['time_s'] * 1e3:.1f} | {r['time_ratio']:.2f} | {tgt}{met} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="kernels", device="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--families", default="", help="comma-separated kernel_cases modules (default all)")
@@ -120,8 +101,7 @@ def main(argv=None) -> int:
             print(f"    {r['variant']:>24}: peak {r['peak_bytes'] / MIB:8.1f} MiB "
                   f"({r['peak_ratio']:.3f}x)  {r['time_s'] * 1e3:8.1f} ms ({r['time_ratio']:.2f}x)  "
                   f"{'ok' if r['ok'] else 'MISMATCH'}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-        common.write_results(args.name, rows, _markdown(rows, run_info), args.out_dir, meta=meta,
-                             extra={"run": run_info})
+        harness.write(args.name, rows, args.out_dir, meta=meta, run=run_info, spec="kernels")
     bad = [r for r in rows if not r["ok"]]
     return 1 if bad else 0
 

@@ -50,6 +50,7 @@ from torch.func import grad, vmap
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import harness  # noqa: E402
 from dpsgd import rel_err  # noqa: E402
 from dpsgd_models import gpt, per_example_loss  # noqa: E402
 
@@ -225,46 +226,6 @@ def run(args) -> tuple[list[dict], dict]:
     return rows, info
 
 
-def _markdown(rows, meta) -> str:
-    s = meta["shape"]
-    lines = [f"# Ghost clipping benchmark: {meta['name']}", "",
-             f"CPU, {meta['threads']} torch thread(s). Model: plain GPT, {s['layers']} layers, hidden {s['d']}, "
-             f"{s['heads']} heads, vocab {s['vocab']}, no weight tying ({meta['params'] / 1e6:.2f}M params); "
-             f"batch {s['batch']}, sequence {s['seq']}, C = {meta['clipping_norm']}, the whole batch in one "
-             f"chunk; fxmem inner compiler: {meta['inner']}. Peak = exact peak of one step above what was "
-             f"live before it (allocator events); time = median of {meta['steps']} steps after warm-up, "
-             "variants interleaved. Clipped sums are checked against an explicit per-example reference "
-             "(max relative error per parameter); Opacus clips with C / (norm + 1e-6), fxmem with "
-             "C' / norm (C' = C less a few ULPs): about 1e-6 / norm apart on clipped examples.",
-             "",
-             "| variant | clipped sum | peak MiB | vs non-private | vs Opacus | ms | vs non-private | vs Opacus "
-             "| first call s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        check = "-" if "rel_err" not in r else f"{'ok' if r['ok'] else 'MISMATCH'} ({r['rel_err']:.1e})"
-        lines.append(f"| {r['variant']} | {check} | {r['peak_bytes'] / MIB:.1f} | {r['peak_vs_nonprivate']:.3f} | "
-                     f"{r['peak_vs_opacus']:.3f} | {r['time_s'] * 1e3:.1f} | {r['time_vs_nonprivate']:.2f} | "
-                     f"{r['time_vs_opacus']:.2f} | {r['first_call_s']:.1f} |")
-    lines += ["", "## Targets", "", "| target | value | limit | |", "|---|---:|---:|---|"]
-    for t in meta["targets"]:
-        fmt = (lambda x: f"{x:.1e}") if "reference" in t["target"] else (lambda x: f"{x:.3f}")
-        lines.append(f"| {t['target']} | {fmt(t['value'])} | {fmt(t['limit'])} | {'met' if t['met'] else 'MISSED'} |")
-    names = meta.get("param_names") or []
-    for r in rows:
-        plan = r.get("plan")
-        if not plan or not plan.get("ghost"):
-            continue
-        lines += ["", f"## Per-layer decisions: {r['variant']}", "",
-                  "| parameter | kind | per-example gradient | T | 2T^2 vs P*Q | choice |",
-                  "|---|---|---|---:|---|---|"]
-        for d in plan["ghost"]:
-            name = names[d["output"]] if 0 <= d["output"] < len(names) else (d.get("param") or f"output {d['output']}")
-            shape = "x".join(str(x) for x in d["shape"])
-            lines.append(f"| {name} | {d['kind']} | {shape} | {d['tokens'] if d['tokens'] is not None else '-'} | "
-                         f"{d['reason']} | {d['choice']} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="ghost")
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"), help="fxmem's inner compiler")
@@ -278,14 +239,15 @@ def main(argv=None) -> int:
     rows, info = run(args)
     run_info = dict(name=args.name, steps=args.steps, threads=args.threads or torch.get_num_threads(),
                     wall_s=round(time.perf_counter() - t0, 1), **info)
-    jp, _ = common.write_results(args.name, rows, _markdown(rows, run_info), args.out_dir, meta=meta,
-                                 extra={"run": run_info})
+    targets = run_info.pop("targets")
+    jp, _ = harness.write(args.name, rows, args.out_dir, meta=meta, run=run_info, targets=targets,
+                            spec="ghost")
     print("targets:", flush=True)
-    for t in run_info["targets"]:
+    for t in targets:
         print(f"    {t['target']}: {'met' if t['met'] else 'MISSED'} ({t['value']:.3g} vs {t['limit']:.3g})",
               flush=True)
     print(f"wrote {jp} and .md ({run_info['wall_s']:.0f} s)", flush=True)
-    return 0 if all(t["met"] for t in run_info["targets"]) else 1
+    return 0 if all(t["met"] for t in targets) else 1
 
 
 if __name__ == "__main__":

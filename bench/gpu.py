@@ -24,8 +24,8 @@ Steps, in order (bench/README.md, "The GPU run", has the sizes and the expected 
 
 Each step runs under a time limit (unused time flows to later steps; ``--time-limit`` caps the
 whole run) inside try/except: a failure or a time-out records a row and the run goes on. Every row
-is written as soon as it is measured (bench/common.py's writer: ``<out-dir>/<name>.json`` and
-``.md``; default bench/results/gpu.*), so a partial run leaves its results; the table is printed at
+is written as soon as it is measured (``harness.write``, table spec ``gpu``: ``<out-dir>/<name>.json``
+and ``.md``; default bench/results/gpu.*), so a partial run leaves its results; the table is printed at
 the end. Without CUDA every step records ``skipped: no CUDA``; ``--dry-run`` runs every step at tiny
 sizes on whatever device there is (Inductor replaced by fxmem's eager inner compiler and torch's
 min-cut partitioner with nop compilers: Inductor compiles take minutes on a CPU), writing to a
@@ -54,9 +54,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
+import harness  # noqa: E402
+import tables  # noqa: E402
 
 MIB = 2**20
 NO_CUDA = "skipped: no CUDA"
+GPU_CASE = tables.spec_for("gpu").case
 STATUS_BAD = ("error", "MISMATCH")
 
 
@@ -176,67 +179,6 @@ class Ctx:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-
-# Per step: its title and its table's columns (header, row key, format).
-_RATIO = ".2f"
-COLUMNS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
-    "kernels": ("1. Fused kernels: Triton vs portable vs plain PyTorch (worst |error| / tolerance; <= 1 passes)", [
-        ("kernel", "item", ""), ("dtype", "dtype", ""), ("paths", "paths", ""), ("forward", "fwd", ".2g"),
-        ("backward", "bwd", ".2g"), ("vmap(grad)", "vmap", ".2g"), ("s", "wall_s", ".1f")]),
-    "replay": ("2. Dropout replay: fxmem vs eager, same seed (bit for bit)", [
-        ("config", "item", ""), ("loss", "loss_equal", ""), ("grads equal", "grads_equal", ""),
-        ("generator after", "rng_equal", ""), ("max |grad diff|", "max_grad_diff", ".3g"),
-        ("second step", "second_equal", ""), ("s", "wall_s", ".1f")]),
-    "peaks": ("3. Step peaks under bf16 autocast: measured vs fxmem's prediction; step times", [
-        ("model", "model", ""), ("config", "item", ""), ("peak MiB", "peak_mib", ".1f"),
-        ("predicted MiB", "predicted_mib", ".1f"), ("predicted / measured", "predicted_ratio", ".3f"),
-        ("peak / eager", "peak_vs_eager", _RATIO), ("of device", "device_fill", ".0%"), ("step ms", "step_ms", ".1f"),
-        ("time / eager", "time_vs_eager", _RATIO), ("compile s", "compile_s", ".1f")]),
-    "loss": ("4. Fused linear cross-entropy at a large vocabulary", [
-        ("shape", "case", ""), ("variant", "item", ""), ("loss & grads rel err", "rel_err", ".1e"),
-        ("peak MiB", "peak_mib", ".1f"), ("peak / unfused", "peak_ratio", ".3f"), ("ms", "ms", ".2f"),
-        ("time / unfused", "time_ratio", _RATIO)]),
-    "dpsgd": ("5. DP-SGD: clipped per-example gradient sums", [
-        ("variant", "item", ""), ("clipped sum rel err", "rel_err", ".1e"), ("peak MiB", "peak_mib", ".1f"),
-        ("peak / Opacus", "peak_vs_opacus", _RATIO), ("ms", "ms", ".1f"), ("time / Opacus", "time_vs_opacus", _RATIO)]),
-}
-
-
-def _cell(row: dict, key: str, fmt: str) -> str:
-    v = row.get(key)
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    if fmt and isinstance(v, (int, float)):
-        return format(v, fmt)
-    return str(v).replace("|", "\\|")
-
-
-def markdown(rows: list[dict], info: dict) -> str:
-    mode = "dry run (tiny sizes)" if info["dry_run"] else "full sizes"
-    lines = [f"# GPU run `{info['name']}`", "",
-             f"Device `{info['device']}` ({info.get('device_name') or 'no CUDA'}), {mode}; "
-             f"{info.get('wall_s', 0):.0f} s so far of a {info['time_limit_s']:.0f} s limit. "
-             "See bench/README.md, \"The GPU run\".", ""]
-    for step, (title, cols) in COLUMNS.items():
-        mine = [r for r in rows if r["step"] == step]
-        if not mine:
-            continue
-        lines += [f"## {title}", "", "| " + " | ".join(h for h, _, _ in cols) + " | status |",
-                  "|" + "---|" * (len(cols) + 1)]
-        notes: dict[str, list[str]] = {}  # reason -> the rows that give it
-        for r in mine:
-            if r.get("reason"):
-                notes.setdefault(r["reason"], []).append(str(r.get("item")))
-            lines.append("| " + " | ".join(_cell(r, k, f) for _, k, f in cols) + f" | {r['status']} |")
-        if info.get("step_s", {}).get(step) is not None:
-            lines += ["", f"Step wall time: {info['step_s'][step]:.0f} s."]
-        if notes:
-            lines += [""] + [f"- {', '.join(dict.fromkeys(items))}: {why}" for why, items in notes.items()]
-        lines.append("")
-    return "\n".join(lines)
 
 
 # --- step 1: fused kernels ---------------------------------------------------------------------
@@ -958,10 +900,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         info["wall_s"] = time.monotonic() - t_start
-        common.write_results(a.name, rows, markdown(rows, info), out_dir, meta=meta, extra={"run": info})
+        harness.write(a.name, rows, out_dir, meta=meta, run=info, spec="gpu")
 
     def add(step: str, item: str, status: str, **metrics) -> dict:
         row = {"step": step, "item": item, "status": status, **{k: v for k, v in metrics.items() if v is not None}}
+        taken, n = {harness.case_name(r, GPU_CASE) for r in rows}, 1
+        while harness.case_name(row, GPU_CASE) in taken:  # a retry, a step's error after its rows: told apart
+            n += 1
+            row["item"] = f"{item} ({n})"
         rows.append(row)
         write()
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()

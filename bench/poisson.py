@@ -38,6 +38,8 @@ FULL = dict(vocab=4096, d=128, layers=2, heads=4, seq=64, mean=32.0, steps=20, m
 QUICK = dict(vocab=64, d=16, layers=1, heads=2, seq=8, mean=12.0, steps=10, microbatch=4)
 
 
+SPEC = "poisson"  # its table spec in bench/tables.py, whatever --name says
+
 def sizes(steps: int, mean: float, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     drawn = [int(s) for s in torch.poisson(torch.full((steps - 1,), mean), generator=g)]
@@ -132,32 +134,10 @@ def run(args) -> tuple[list[dict], dict]:
     return rows, info
 
 
-def _markdown(rows: list[dict], info: dict) -> str:
-    s = info["shape"]
-    lines = [f"# Poisson-sampled DP-SGD: {info['name']}", "",
-             f"Plain GPT, {s['layers']} layers, hidden {s['d']}, {s['heads']} heads, vocab {s['vocab']}, "
-             f"sequence {s['seq']} ({info['params'] / 1e6:.2f}M params), C = 1, "
-             f"`clipped_grad(..., microbatch_size={s['microbatch']})`, fxmem inner compiler {info['inner']}, "
-             f"{s['steps']} steps with Poisson batch sizes of mean {s['mean']:g} (one of them 0). "
-             "Error = max relative error per parameter against an explicit per-example loop; peak = exact "
-             "peak of one step above what was live before it (allocator events).", "",
-             f"- compiles: {info['dynamo_graphs']} Dynamo graph(s), {info['chunk_compiles']} fxmem chunk "
-             f"graph(s); `fxmem.compilations`: {info['fxmem_compilations']}",
-             f"- batch {info['biggest_batch']}: peak {info['peak_chunked_biggest'] / MIB:.2f} MiB chunked, "
-             f"{info['peak_one_chunk'] / MIB:.2f} MiB for one chunk of {s['microbatch']}, "
-             f"{info['peak_unchunked_biggest'] / MIB:.2f} MiB unchunked (`microbatch_size=None`)", "",
-             "| step | batch | error | peak MiB | call s |", "|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['step']} | {r['batch']} | {r['rel_err']:.1e} | {r['peak_bytes'] / MIB:.2f} | "
-                     f"{r['call_s']:.2f} |")
-    lines += common.targets_lines(info["targets"])
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> int:
     ap = common.parser(__doc__, name="poisson")
     ap.add_argument("--inner", default="eager", choices=("inductor", "eager"), help="fxmem's inner compiler")
-    return common.run_with_targets(ap, run, _markdown, argv)
+    return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 
 if __name__ == "__main__":

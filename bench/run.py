@@ -7,7 +7,7 @@
 
 Writes ``<out-dir>/<name>.json`` (every measurement; the run's settings under ``run``; commit,
 machine, versions and the command under ``meta``) and ``<out-dir>/<name>.md`` (a table; see
-bench/README.md for the columns) with ``common.write_results``; ``--out-dir`` defaults to
+bench/README.md for the columns) with ``harness.write``; ``--out-dir`` defaults to
 bench/results. Both are rewritten after every measurement, so an interrupted run keeps what it
 measured.
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
 import configs  # noqa: E402
+import harness  # noqa: E402
 from worker import AUTOCAST, RESULT_PREFIX  # noqa: E402
 
 LOSS_RTOL = 1e-5  # first-step loss vs eager
@@ -191,86 +192,10 @@ def first_line(r: dict) -> str:
     return (r.get("reason", "").strip().splitlines() or [""])[0]
 
 
-def _ms(s: float | None) -> float | None:
-    return None if s is None else s * 1e3
-
-
-def _f(x, fmt: str, suffix: str = "") -> str:
-    return "" if x is None else format(x, fmt) + suffix
-
-
-def markdown(doc: dict) -> str:
-    """The table (``common.write_results`` puts the command, machine and commit under the title)."""
-    run = doc["run"]
-    threads = run.get("threads") or "torch's default number of"
-    autocasts = run.get("autocast", ["off"])
-    amp = autocasts != ["off"]
-    amp_note = (f" Autocast: {', '.join(f'`{x}`' for x in autocasts)} (forward and loss under `torch.autocast`, "
-                f"backward outside it; compared with `eager` under the same autocast: loss within {AMP_LOSS_RTOL:g}, "
-                f"gradient norm within {AMP_GRAD_RTOL:.2g})." if amp else "")
-    lines = [
-        f"# Benchmark `{run['name']}`",
-        "",
-        f"Device `{run['device']}`, {threads} torch thread(s) per worker. "
-        f"Per run: {run['warmup']} warm-up step(s) (the first compiles), {run['mem_steps']} profiled step(s) for the "
-        f"peak, {run['steps']} timed steps for the median. Peak = bytes allocated during forward + backward "
-        "(gradients included, parameters not). Ratios are to `eager` of the same model. "
-        f"Inductor cache: `{run.get('cache')}`.{amp_note} See bench/README.md.",
-        "",
-        f"| model |{' autocast |' if amp else ''} config | peak MiB | peak / eager | after fwd MiB | step ms "
-        "| time / eager | compile s | graphs | loss & grad vs eager |",
-        f"|---|{'---|' if amp else ''}---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    notes = []
-    for r in doc["results"]:
-        name = r["config"].replace("|", "\\|")
-        model = f"{r['model']} | {r.get('autocast', 'off')}" if amp else r["model"]
-        if r["status"] != "ok":
-            status = r["status"]
-            if status == "infeasible":
-                status = f"infeasible (floor {r['floor_fraction']:.3f})"
-            lines.append(f"| {model} | {name} | {status} | | | | | | | |")
-            notes.append(f"- {model.replace(' | ', ' ')} / {r['config']}: {status}: {first_line(r)}")
-            continue
-        mib = lambda b: None if b is None else b / MIB  # noqa: E731
-        graphs = str(r.get("graphs", ""))
-        if r.get("graph_breaks"):
-            graphs += f" ({r['graph_breaks']} breaks)"
-        if r.get("recompiles"):
-            graphs += f" (+{r['recompiles']} recompiled)"
-        lines.append(
-            f"| {model} | {name} | {_f(mib(r['peak_bytes']), '.1f')} | {_f(r.get('peak_vs_eager'), '.2f')} | "
-            f"{_f(mib(r.get('fwd_live_bytes')), '.1f')} | {_f(_ms(r['step_time_median_s']), '.0f')} | "
-            f"{_f(r.get('time_vs_eager'), '.2f')} | {_f(r['compile_s'], '.1f')} | {graphs} | {r.get('check', '')} |"
-        )
-    lines.append("")
-    lowering = [r for r in doc["results"] if r["status"] == "ok" and "lowered" in r]
-    if lowering:
-        lines += ["Lowered patterns (fxmem rows; the fused loss's reason where it was left alone):", ""]
-        for r in lowering:
-            where = r["model"] + ("" if r.get("autocast", "off") == "off" else f" {r['autocast']}")
-            counts = ", ".join(f"{k} {v}" for k, v in r["lowered"].items()) or "none"
-            why = r.get("left_alone", {}).get("fused_linear_cross_entropy")
-            lines.append(f"- {where} / `{r['config']}`: {counts}" + (f"; fused loss left alone: {why}" if why else ""))
-        lines.append("")
-    shapes = "; ".join(f"`{k}` {', '.join(f'{a}={b}' for a, b in v.items())}" for k, v in run["model_kwargs"].items())
-    lines += [f"Models: {shapes}.", ""]
-    if notes:
-        lines += ["Not measured (skipped, infeasible or failed; first line of the reason):", "", *notes, ""]
-    used = {r["config"] for r in doc["results"]}
-    lines += ["Configurations:", ""]
-    for spec in run["configs"]:
-        if spec in used:
-            c = configs.parse(spec)
-            lines.append(f"- `{spec}`: {c.description}")
-    lines.append("")
-    return "\n".join(lines)
-
-
 def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
+    """``<out_dir>/<name>.json`` and ``.md`` through the harness (table spec ``run``)."""
     annotate(doc["results"])
-    return common.write_results(name, doc["results"], markdown(doc), out_dir, meta=doc["meta"],
-                                extra={"run": doc["run"]})
+    return harness.write(name, doc["results"], out_dir, meta=doc["meta"], run=doc["run"], spec="run")
 
 
 def _summary(r: dict) -> str:

@@ -155,7 +155,7 @@ def test_the_floor_row_shows_its_terms_and_no_loss_check():
     assert rows[1]["peak_vs_eager"] == 0.4 and "time_vs_eager" not in rows[1]
 
 
-def test_autocast_rows_compare_with_eager_under_the_same_autocast():
+def test_autocast_rows_compare_with_eager_under_the_same_autocast(tmp_path):
     """``--autocast off,bf16``: each row's ratios and loss check use eager under its own autocast,
     with bf16 rounding as the tolerance there; the table gets an autocast column."""
     run = load_bench_module("run")
@@ -170,7 +170,9 @@ def test_autocast_rows_compare_with_eager_under_the_same_autocast():
     run.annotate(rows)
     assert [r["check"] for r in rows] == ["ok", "ok", "ok", "MISMATCH loss 1.0e-02"]
     assert rows[2]["peak_vs_eager"] == 0.5 and rows[3]["peak_vs_eager"] == 0.25
-    doc = {"run": {"name": "t", "device": "cpu", "warmup": 1, "mem_steps": 1, "steps": 1, "cache": "worker",
+    doc = {"meta": {"command": "python bench/run.py --name t"},
+           "run": {"name": "t", "device": "cpu", "warmup": 1, "mem_steps": 1, "steps": 1, "cache": "worker",
                    "autocast": ["off", "bf16"], "model_kwargs": {"m": {}}, "configs": ["eager"]}, "results": rows}
-    text = run.markdown(doc)
+    _, md = run.write(doc, tmp_path, "t")
+    text = md.read_text()
     assert "| model | autocast | config |" in text and "| m | bf16 | eager |" in text

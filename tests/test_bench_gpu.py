@@ -4,7 +4,6 @@ The dry run runs every step at tiny sizes on the CPU (kernels in Triton's interp
 GPU run, whose time is scarce, never meets a typo; without CUDA and without --dry-run every step
 says ``skipped: no CUDA``."""
 
-import json
 import subprocess
 import sys
 import time
@@ -14,16 +13,21 @@ import pytest
 from helpers import load_bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import harness  # noqa: E402
+
 STEPS = ("kernels", "replay", "peaks", "loss", "dpsgd")
 
 
 def _run(tmp_path: Path, *args: str, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run bench.gpu; its results file (the one format) as {name, meta, run, results: the records}."""
     run = subprocess.run([sys.executable, "-m", "bench.gpu", "--out-dir", str(tmp_path), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (doc,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
-    assert (tmp_path / f"{doc['name']}.md").exists()
-    return run, doc
+    (res,) = [harness.read(p) for p in tmp_path.glob("*.json")]
+    assert (tmp_path / f"{res.study}.md").exists()
+    records = [harness.unflatten(r) for r in res.records().values()]
+    return run, {"name": res.study, "meta": res.meta, "run": res.meta["run"], "results": records}
 
 
 @pytest.mark.slow

@@ -207,41 +207,5 @@ def run(model_name: str, fractions: list[float], quick: bool) -> dict:
             "level0_bytes": level0_bytes, "frontier": points, "rows": rows}
 
 
-def markdown(name: str, results: list[dict]) -> str:
-    def g(x, total):  # GFLOP and share of the step
-        if x is None:
-            return "-"
-        return "no plan" if x == float("inf") else f"{x / 1e9:.3g} ({100 * x / total:.1f}%)"
-
-    def ms(ns):
-        return "-" if ns is None else "no plan" if ns == float("inf") else f"{ns / 1e6:.1f}"
-
-    out = [f"# Recompute a budget needs: `{name}`", "",
-           "GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); "
-           "% = of one eager step's FLOPs. *Bound*: the least any plan keeping at most the cap "
-           "recomputes (min-cut frontier hull, every forward op recomputable); fxmem: its plan at that "
-           "`memory_budget`; torch: Inductor with `activation_memory_budget` at the same fraction. "
-           "*ms*: the same with each matmul and attention priced by its own time alone at its shapes "
-           "(median of 15 runs here): the bound then is the least recompute time of any plan within the cap.", ""]
-    for r in results:
-        out += [f"**{r['model']}** ({', '.join(f'{k}={v}' for k, v in r['model_kwargs'].items())}): "
-                f"step {r['step_flops'] / 1e9:.1f} GFLOP; fxmem level 0 keeps {r['level0_bytes']:,} bytes.", "",
-                "| fraction | cap bytes | bound GFLOP (% step) | fxmem bytes | fxmem GFLOP | fxmem / bound "
-                "| torch GFLOP "
-                "| bound ms | fxmem ms | torch ms | torch recomputes |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for row in r["rows"]:
-            t, b, fx_ = row["torch"], row["bound_flops"], row.get("fxmem_flops")
-            fxb = f"{row['fxmem_bytes']:,}" if "fxmem_bytes" in row else "infeasible"
-            ratio = f"{fx_ / b:.2f}" if fx_ is not None and b not in (0, float("inf")) else ""
-            total = r["step_flops"]
-            out.append(f"| {row['fraction']} | {row['cap_bytes']:,} | {g(b, total)} | {fxb} | {g(fx_, total)} "
-                       f"| {ratio} | "
-                       f"{g(t['recompute_flops'], total)} | {ms(row.get('bound_ns'))} | {ms(row.get('fxmem_ns'))} | "
-                       f"{ms(t.get('recompute_ns'))} | {', '.join(t['recomputed_heavy']) or 'none'} |")
-        out.append("")
-    return "\n".join(out) + "\n"
-
-
 if __name__ == "__main__":
-    study.main(__doc__, __file__, "budget-bound", "0.96,0.9,0.7,0.5", run, markdown)
+    study.main(__doc__, __file__, "budget-bound", "0.96,0.9,0.7,0.5", run)

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402,F401  (registers the backend)
 from fxmem.models import build  # noqa: E402
@@ -51,14 +52,8 @@ def main(layer_counts: list[int]) -> None:
         times = {name: statistics.median(ts) for name, ts in runs.items()}
         print(layers, {k: [round(v, 1) for v in ts] for k, ts in runs.items()}, flush=True)
         rows += [dict(layers=layers, config=k, seconds=v, ratio=v / times["level 0"]) for k, v in times.items()]
-    lines = ["# Compile time with a budget against level 0", "",
-             "Llama config (hidden 64, batch 2 x seq 64), eager inner compiler, lowering off; first step (compile + "
-             f"run) of a fresh compile, median of {ROUNDS} interleaved rounds after a warm-up compile. "
-             "Bar: <= 1.5x level 0.", "",
-             "| layers | config | first step s | / level 0 |", "|---:|---|---:|---:|"]
-    lines += [f"| {r['layers']} | {r['config']} | {r['seconds']:.1f} | {r['ratio']:.2f} |" for r in rows]
-    common.write_results("budget-compile-time", rows, "\n".join(lines) + "\n",
-                         command="python bench/studies/budget_compile.py " + " ".join(map(str, layer_counts)))
+    command = "python bench/studies/budget_compile.py " + " ".join(map(str, layer_counts))
+    harness.write("budget-compile-time", rows, meta=common.metadata(command))
 
 
 if __name__ == "__main__":

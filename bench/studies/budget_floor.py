@@ -91,26 +91,5 @@ def run(model_name: str, fractions: list[float], quick: bool) -> dict:
             "floor_bytes": floor_bytes, "rows": rows}
 
 
-def markdown(name: str, results: list[dict]) -> str:
-    out = [f"# Below the budget floor: `{name}`", "",
-           "Eager inner compiler (its simulated peak is exact). *Head recomputable*: the plan fxmem would make if a "
-           "budget could rerun the vocabulary projection in the backward (it cannot).", ""]
-    for r in results:
-        out += [f"**{r['model']}**: level 0 keeps {r['level0_bytes']:,} bytes; floor {r['floor_bytes']:,}.", "",
-                "| budget | saved bytes | measured peak MiB | predicted MiB | peak at | largest alive (MiB) |",
-                "|---|---:|---:|---:|---|---|"]
-        for row in r["rows"]:
-            if "error" in row:
-                why = row["error"].split("infeasible; ")[-1].split(";")[0]
-                out.append(f"| {row['label']} | refused: {why} | | | | |")
-                continue
-            live = ", ".join(f"{n} {b / MiB:.1f}" for n, b in row["live"])
-            out.append(f"| {row['label']} | {row['saved_bytes']:,} | {row['measured_peak'] / MiB:.1f} | "
-                       f"{row['predicted_peak'] / MiB:.1f} | {row['phase']} `{row['at']}` | {live}, "
-                       f"and {row['live_count'] - len(row['live'])} more |")
-        out.append("")
-    return "\n".join(out) + "\n"
-
-
 if __name__ == "__main__":
-    study.main(__doc__, __file__, "budget-floor", "0.3,0.1", run, markdown)
+    study.main(__doc__, __file__, "budget-floor", "0.3,0.1", run)

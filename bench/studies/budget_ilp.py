@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402,F401  (registers the backend)
 from fxmem.remat.budget import _cost  # noqa: E402
@@ -59,28 +60,7 @@ def rows_for(name: str) -> list[dict]:
 def main(models: list[str]) -> None:
     torch.set_num_threads(1)
     rows = [r for m in models for r in rows_for(m)]
-    lines = ["# The budget's recompute against the exact optimum", "",
-             "Zoo models (tiny configs, eager inner compiler, lowering off). *cap*: the fraction of level 0's "
-             "saved bytes; *fxmem*: the recompute cost (FLOPs, elements for cheap ops) of its plan; *ILP*: the "
-             "least of any saved set within the cap (scipy milp over the same network and costs); *gap*: "
-             "fxmem / ILP - 1 where fxmem's plan is within the cap (an unmet fraction takes the plan of least "
-             "peak: no gap). Bar: <= 5%.", "",
-             "| model | family | graph | fraction | cap bytes | fxmem bytes | fxmem cost | ILP cost | gap |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        gap = "unmet" if not r["met"] else "-" if r["gap"] is None else f"{100 * r['gap']:.2f}%"
-        ilp = "-" if r["ilp_cost"] is None else f"{r['ilp_cost']:.4g}"
-        lines.append(f"| {r['model']} | {r['family']} | {r['graph']} | {r['fraction']} | {r['cap']:,} | "
-                     f"{r['fxmem_bytes']:,} | {r['fxmem_cost']:.4g} | {ilp} | {gap} |")
-    gaps = [r["gap"] for r in rows if r["gap"] is not None]
-    by_model = {}
-    for r in rows:
-        if r["gap"] is not None:
-            by_model[r["model"]] = max(by_model.get(r["model"], 0.0), r["gap"])
-    lines += ["", f"Largest gap: {100 * max(gaps):.2f}% over {len(gaps)} plans within their cap; per model: "
-              + ", ".join(f"{m} {100 * g:.2f}%" for m, g in by_model.items()) + "."]
-    common.write_results("budget-ilp", rows, "\n".join(lines) + "\n",
-                         command="python bench/studies/budget_ilp.py " + " ".join(models))
+    harness.write("budget-ilp", rows, meta=common.metadata("python bench/studies/budget_ilp.py " + " ".join(models)))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402,F401  (registers the backend)
 from fxmem.testing.zoo import FAMILY, ZOO, zoo_build  # noqa: E402
@@ -70,25 +71,7 @@ def model_row(name):
 def main(names):
     torch.set_num_threads(1)
     rows = [model_row(n) for n in names]
-    kib = lambda b: f"{b / 1024:.0f}"  # noqa: E731
-    lines = ["# Memory budget on the zoo", "",
-             "Every zoo model (fxmem.testing.zoo, tiny configs, dropout as shipped), eager inner compiler, lowering "
-             "off. Peaks in KiB, measured on the third step. `monotone`: no fraction peaks above the one before; "
-             "`0 <= L1`: fraction 0 at most level 1's peak; peak_budget = 0.6x level 0's measured peak: met (+3%) "
-             "or warned.", "",
-             "| model | family | L0 | L1 | " + " | ".join(str(f) for f in FRACTIONS)
-             + " | grads | monotone | 0 <= L1 | warned at | peak cap | peak | cap met or warned | s |",
-             "|---|---|" + "---:|" * (2 + len(FRACTIONS)) + "---|---|---|---|---:|---:|---|---:|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['family']} | {kib(r['level0'])} | {kib(r['level1'])} | "
-                     + " | ".join(kib(p) for p in r["peaks"])
-                     + f" | {'ok' if r['grads_ok'] else 'MISMATCH'}"
-                     f" | {'yes' if r['monotone'] else ', '.join(r['rises'])}"
-                     f" | {'yes' if r['zero_le_level1'] else 'NO'} | {', '.join(map(str, r['warned'])) or '-'}"
-                     f" | {kib(r['peak_cap'])} | {kib(r['peak_budget'])} | "
-                     f"{'met' if r['cap_met'] else 'warned' if r['cap_warned'] else 'NO'} | {r['seconds']:.0f} |")
-    common.write_results("budget-zoo", rows, "\n".join(lines) + "\n",
-                         command="python bench/studies/budget_zoo.py " + " ".join(names))
+    harness.write("budget-zoo", rows, meta=common.metadata("python bench/studies/budget_zoo.py " + " ".join(names)))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 from fxmem.lowering.patterns import CE_FUTILE_BELOW, CE_PROVEN_FROM  # noqa: E402
 from fxmem.testing import zoo  # noqa: E402
@@ -33,25 +34,6 @@ PATTERN = "fused_linear_cross_entropy"
 
 def decision(ratio: float) -> str:
     return "declined" if ratio < CE_FUTILE_BELOW else "applied" if ratio >= CE_PROVEN_FROM else "compared"
-
-
-def markdown(rows: list[dict]) -> str:
-    rows = sorted(rows, key=lambda r: (r["ratio"], r["model"]))
-    lines = ["# The fused cross-entropy's planned peak against its logits-to-gradients ratio", "",
-             "Planned step peak with the fused loss / without it (norms lowered in both; eager inner compiler), "
-             "zoo models at batch 2. ratio = tokens x vocab / ((tokens + vocab) x hidden). The backend declines "
-             f"the fused loss below {CE_FUTILE_BELOW} and applies it from {CE_PROVEN_FROM} without comparing plans; "
-             "in between it compares.", "",
-             "| model | vocab | hidden | tokens | ratio | decision | "
-             + " | ".join(f"level {lv}" for lv in LEVELS) + " |",
-             "|---|---:|---:|---:|---:|---|" + "---:|" * len(LEVELS)]
-    lines += [f"| {r['model']} | {r['vocab']} | {r['hidden']} | {r['tokens']} | {r['ratio']:.2f} | {r['decision']} | "
-              + " | ".join(f"{r[f'level{lv}']:.3f}" for lv in LEVELS) + " |" for r in rows]
-    peaks = {d: [r[f"level{lv}"] for r in rows if r["decision"] == d for lv in LEVELS] for d in ("applied", "declined")}
-    lines += ["", f"Applied without comparing: peak ratio {min(peaks['applied']):.3f}-{max(peaks['applied']):.3f} "
-              f"(never above 1). Declined without comparing: {min(peaks['declined']):.3f}-{max(peaks['declined']):.3f} "
-              "(never below 1)."]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -70,7 +52,8 @@ def main() -> None:
                 row[f"level{level}"] = with_ / without
             rows.append(row)
             print(row, flush=True)
-    common.write_results("lowering-ce-ratio", rows, markdown(rows), command="python bench/studies/ce_ratio.py")
+    harness.write("lowering-ce-ratio", rows, meta=common.metadata("python bench/studies/ce_ratio.py"),
+                  run={"futile_below": CE_FUTILE_BELOW, "proven_from": CE_PROVEN_FROM})
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402,F401  (registers the backend)
 from fxmem.models import build  # noqa: E402
@@ -76,17 +77,8 @@ def main() -> None:
     base = statistics.median(times["aot_eager"])
     rows = [dict(config=n, seconds=statistics.median(t), all=t, ratio=statistics.median(t) / base)
             for n, t in times.items()]
-    lines = ["# Compile time at 32 layers: fxmem against aot_eager", "",
-             f"Llama config, {LAYERS} layers, hidden 64, vocab 32000, batch 2 x seq 128; first step (compile + run), "
-             f"median of {REPEATS} interleaved fresh compiles.", "",
-             "| config | first step s | / aot_eager | every run s |", "|---|---:|---:|---|"]
-    lines += [f"| {r['config']} | {r['seconds']:.1f} | {r['ratio']:.2f} | {', '.join(f'{t:.1f}' for t in r['all'])} |"
-              for r in rows]
-    share = fxmem_share()
-    lines += ["", "fxmem's stages in one level-1 compile (cProfile cumulative seconds, profiler overhead included):",
-              "", "| stage | s |", "|---|---:|"] + [f"| `{k}` | {v:.2f} |" for k, v in share[:10]]
-    common.write_results("realistic-compile-time", {"rows": rows, "fxmem_stages": share}, "\n".join(lines) + "\n",
-                         command="python bench/studies/compile_overhead.py")
+    records = rows + [{"config": "fxmem_stages", "stages": fxmem_share()}]  # [(function, cumulative s)]
+    harness.write("realistic-compile-time", records, meta=common.metadata("python bench/studies/compile_overhead.py"))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 from fxmem.testing import zoo  # noqa: E402
 from fxmem.testing.lowering import dynamo_graph, planned_peaks  # noqa: E402
@@ -36,12 +37,7 @@ def main() -> None:
                 row[f"level{level}"] = with_ / without
             rows.append(row)
             print(row, flush=True)
-    lines = ["# Fused SwiGLU / GeGLU: planned peak with / without", "",
-             "Planned step peak with the pattern lowered / without it (norms lowered in both; eager inner compiler).",
-             "", "| model | pattern | size | level 0 | level 1 | level 2 |", "|---|---|---|---:|---:|---:|"]
-    cells = lambda r: " | ".join(f"{r[f'level{lv}']:.3f}" for lv in LEVELS)  # noqa: E731
-    lines += [f"| {r['model']} | {r['pattern']} | {r['size']} | {cells(r)} |" for r in rows]
-    common.write_results("lowering-glu", rows, "\n".join(lines) + "\n", command="python bench/studies/glu_peaks.py")
+    harness.write("lowering-glu", rows, meta=common.metadata("python bench/studies/glu_peaks.py"))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ configuration is compiled and warmed up first; then each round runs one step of 
 that rotates from round to round, and the medians compare steps taken side by side. Memory is
 not measured here (run.py does that exactly, one process per configuration).
 
-Writes ``<out-dir>/<name>.{json,md}`` (default bench/results): per configuration the median and
-fastest step and their ratios to the first configuration (JSON: ``results``; the model and rounds
-at the top level, as ``summarize_planner.py --times`` reads them).
+Writes ``<out-dir>/<name>.{json,md}`` (default bench/results) through ``harness.write``: per
+configuration the median and fastest step and their ratios to the first configuration (table spec
+``interleaved``; the model and rounds in ``meta["run"]``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: configs,
 
 import common  # noqa: E402
 import configs  # noqa: E402
+import harness  # noqa: E402
 from worker import workload  # noqa: E402
 
 
@@ -84,17 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     model = a.models[0]
     meta = common.metadata(a.command)
     rows, failed = measure(model, specs, a.rounds, a.quick, a.threads)
-    lines = [f"# Interleaved step time: `{a.name}`", "",
-             f"Model `{model}`; {a.threads or 'default'} torch thread(s); {a.rounds} rounds of one step per "
-             "configuration, order rotating.", "",
-             "| config | median ms | fastest ms | median / first | fastest / first |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['config']} | {r['median_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | {r['median_ratio']:.3f} | "
-              f"{r['min_ratio']:.3f} |" for r in rows]
-    lines += [f"| {f['config']} | left out: {f['error']} | | | |" for f in failed]
-    common.write_results(a.name, rows, "\n".join(lines) + "\n", a.out_dir, meta=meta,
-                         extra={"model": model, "rounds": a.rounds, "configs": specs, "threads": a.threads,
-                                "quick": a.quick, "left_out": failed})
-    print("\n".join(lines[-len(rows) - len(failed) - 2:]))
+    records = [{"model": model, **r} for r in rows] + [{"model": model, "config": f["config"], "left_out": f["error"]}
+                                                        for f in failed]
+    _, mp = harness.write(a.name, records, a.out_dir, meta=meta, spec="interleaved",
+                          run={"model": model, "rounds": a.rounds, "configs": specs, "threads": a.threads,
+                               "quick": a.quick})
+    print(mp.read_text())
     return 0
 
 

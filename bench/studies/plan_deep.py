@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402
 
@@ -49,19 +50,7 @@ def main() -> None:
                          max_batch=rep.max_batch("80GB", seq=SEQ), max_batch_adam=rep.max_batch("80GB", seq=SEQ,
                                                                                                   optimizer="adam")))
         print(rows[-1], flush=True)
-    gib = 2**30
-    lines = ["# Planning a Llama-7B config on the meta device", "",
-             f"hidden 4096, {LAYERS} layers, vocab 32000, fp32; `fxmem.explain_layers` from 2 and 3 layers; "
-             f"peak at batch 2 x seq {SEQ}; `max_batch(\"80GB\", seq={SEQ})`.", "",
-             "| level | planning s | predicted step peak GiB | parameters + buffers GiB | + Adam state GiB "
-             "| max_batch 80GB | max_batch 80GB, Adam |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['level']} | {r['seconds']} | {r['peak'] / gib:.2f} | {r['resident'] / gib:.2f} | "
-                     f"{r['resident_adam'] / gib:.2f} | {r['max_batch']} | {r['max_batch_adam']} |")
-    lines += ["", "fp32 weights, gradients and two Adam moments alone are 4 x 25.1 GiB: no batch fits 80 GB "
-              "with Adam in fp32, which `max_batch` says (0)."]
-    common.write_results("realistic-plan-7b", rows, "\n".join(lines) + "\n",
-                         command="python bench/studies/plan_deep.py")
+    harness.write("realistic-plan-7b", rows, meta=common.metadata("python bench/studies/plan_deep.py"))
 
 
 if __name__ == "__main__":

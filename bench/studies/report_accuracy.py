@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402
 from fxmem.models import build  # noqa: E402
@@ -67,32 +68,6 @@ def run_one(name: str, plan: str, options: dict) -> dict:
     return dict(model=name, plan=plan, options=options, shapes=rows, caps=caps)
 
 
-def markdown(name: str, results: list[dict]) -> str:
-    lines = [f"# Benchmark `{name}`: predicted vs measured step peak", "",
-             "CPU; fxmem eager inner compiler; one `dynamic=True` "
-             "compile per row group. Peak = bytes allocated during forward + backward (gradients "
-             "included, parameters and inputs not), measured on the second step at each shape.", "",
-             "| model | plan | batch x seq | measured MiB | predicted MiB | error |",
-             "|---|---|---|---:|---:|---:|"]
-    for r in results:
-        for s in r["shapes"]:
-            lines.append(f"| {r['model']} | {r['plan']} | {s['batch']}x{s['seq']} | {s['measured'] / 2**20:.2f} | "
-                         f"{s['predicted'] / 2**20:.2f} | {s['error']:+.3%} |")
-    worst = max(abs(s["error"]) for r in results for s in r["shapes"])
-    lines += ["", f"Largest error: {worst:.3%} (target: within 10%).", "",
-              f"## max_batch (sequence {SEQ_FOR_CAPS})", "",
-              "| model | plan | cap MiB | max_batch | measured MiB at max_batch | fits "
-              "| predicted MiB at max_batch+1 | exceeds |",
-              "|---|---|---:|---:|---:|---|---:|---|"]
-    for r in results:
-        for c in r["caps"]:
-            m = f"{c['measured_at_max'] / 2**20:.1f}" if c["measured_at_max"] is not None else "-"
-            lines.append(f"| {r['model']} | {r['plan']} | {c['cap_mib']} | {c['max_batch']} | {m} | "
-                         f"{'yes' if c['fits'] else 'no'} | {c['predicted_next'] / 2**20:.1f} | "
-                         f"{'yes' if c['next_exceeds'] else 'no'} |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> None:
     p = common.parser(__doc__, name="report", models="hf_gpt2,hf_llama", known_models=("hf_gpt2", "hf_llama"),
                       quick=False)
@@ -100,10 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     common.set_threads(a.threads)
     meta = common.metadata(a.command)
     results = [run_one(m, plan, opts) for m in a.models for plan, opts in PLAN_OPTIONS.items()]
-    text = markdown(a.name, results)
-    common.write_results(a.name, results, text, a.out_dir, meta=meta,
-                         extra={"shapes": SHAPES, "caps_mib": CAPS_MB, "seq_for_caps": SEQ_FOR_CAPS})
-    print(text)
+    _, mp = harness.write(a.name, results, a.out_dir, meta=meta, spec="report",
+                          run={"shapes": SHAPES, "caps_mib": CAPS_MB, "seq_for_caps": SEQ_FOR_CAPS})
+    print(mp.read_text())
 
 
 if __name__ == "__main__":

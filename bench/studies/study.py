@@ -1,6 +1,6 @@
 """The command line shared by the budget studies (``budget_bound.py``, ``budget_floor.py``): bench's
 common flags plus ``--fractions``; ``run(model, fractions, quick)`` per model, then
-``<out-dir>/<name>.{json,md}`` through ``common.write_results``."""
+``<out-dir>/<name>.{json,md}`` through ``harness.write`` (the study's table spec renders them)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ if str(BENCH) not in sys.path:
 
 import common  # noqa: E402
 import configs  # noqa: E402
+import harness  # noqa: E402
 
 
 def main(doc: str, script: str, name: str, fractions: str, run: Callable[[str, list[float], bool], dict],
-         markdown: Callable[[str, list[dict]], str], argv: list[str] | None = None) -> None:
+         argv: list[str] | None = None) -> None:
     """Parse the arguments, ``run(model, fractions, quick)`` per model, write and print the results.
 
     ``script``: the study's file (``__file__``), named in the recorded command."""
@@ -28,7 +29,6 @@ def main(doc: str, script: str, name: str, fractions: str, run: Callable[[str, l
     meta = common.metadata(a.command)
     fracs = [float(f) for f in common.split(a.fractions)]
     results = [run(m, fracs, a.quick) for m in a.models]
-    _, mp = common.write_results(a.name, results, markdown(a.name, results), a.out_dir, meta=meta,
-                                 extra={"run": {"models": a.models, "fractions": fracs, "quick": a.quick,
-                                                "threads": a.threads}})
+    _, mp = harness.write(a.name, results, a.out_dir, meta=meta, spec=name,
+                          run={"models": a.models, "fractions": fracs, "quick": a.quick, "threads": a.threads})
     print(mp.read_text())

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 
 import common  # noqa: E402
 import configs  # noqa: E402
+import harness  # noqa: E402
 
 import fxmem  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
@@ -77,37 +78,6 @@ def model_row(name: str, profile: str) -> dict:
     return row
 
 
-def markdown(rows: list[dict], profile: str) -> str:
-    kib = lambda b: f"{b / 1024:,.0f}"  # noqa: E731
-    cells = [c for r in rows for c in r["cells"].values()]
-    lines = [f"# The zoo, {profile} profile", "",
-             f"Every zoo model (`fxmem.testing.zoo`, profile `{profile}`: "
-             + ("CI's tiny shapes" if profile == "tiny" else "activations make the peak, vocabulary 32000")
-             + ", dropout as shipped), eager inner compiler, fxmem's default lowering unless the column says "
-             "otherwise. Each fxmem cell: measured peak KiB (predict_peak's error); `!` marks a step that is not "
-             "eager's (loss or a gradient) or fell back. Peaks measured on the third step. min-cut: torch's "
-             "`min_cut_rematerialization_partition` with nop compilers.", "",
-             f"{sum(c['ok'] for c in cells)} of {len(cells)} cells equal eager without a fallback; "
-             f"{sum(abs(c['error']) <= BAR for c in cells)} of {len(cells)} predicted within {BAR:.0%}; "
-             f"levels 1/2 and the budget at most level 0 on {sum(r['levels_le_l0'] for r in rows)} of {len(rows)} "
-             f"models; lowering never raised the peak (levels 0, 1, 2) on {sum(r['lowering_no_raise'] for r in rows)} "
-             f"of {len(rows)}.", "",
-             "| model | family | eager | min-cut | " + " | ".join(OPTIONS) + " | L1 / eager | lowered (L1) | s |",
-             "|---|---|---:|---:|" + "---:|" * len(OPTIONS) + "---:|---|---:|"]
-    for r in rows:
-        def cell(c):
-            return f"{kib(c['peak'])} ({100 * c['error']:+.1f}%)" + ("" if c["ok"] else " !")
-        l1 = r["cells"]["L1"]
-        lines.append(f"| {r['model']} | {r['family']} | {kib(r['eager'])} | {kib(r['mincut'])} | "
-                     + " | ".join(cell(c) for c in r["cells"].values())
-                     + f" | {l1['peak'] / r['eager']:.2f} | {', '.join(l1['lowered']) or '-'} | {r['seconds']:.0f} |")
-    problems = [f"- {r['model']}, {k}: {'; '.join(c['problems'])}" for r in rows for k, c in r["cells"].items()
-                if c["problems"]]
-    if problems:
-        lines += ["", "Problems:", *problems]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", choices=list(PROFILES), default="tiny")
@@ -119,7 +89,7 @@ def main(argv=None) -> None:
     rows = []
     for name in names:  # rewritten after every model: a long run keeps what it measured
         rows.append(model_row(name, args.profile))
-        common.write_results(f"zoo-{args.profile}", rows, markdown(rows, args.profile), meta=meta)
+        harness.write(f"zoo-{args.profile}", rows, meta=meta, spec="zoo", run={"profile": args.profile, "bar": BAR})
 
 
 if __name__ == "__main__":
