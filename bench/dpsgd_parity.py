@@ -13,12 +13,9 @@ epsilon) is not here yet: see docs/per-example.md.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import socket
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +26,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from bench.dpsgd_models import GPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the harness, as its scripts import it
+import common  # noqa: E402
+import harness  # noqa: E402
 
 OUT = Path(__file__).with_name("results") / "dpsgd-parity"
 DELTA = 1e-5
@@ -116,26 +117,18 @@ def main() -> None:
         for p in procs:
             p.join()
         rows = got[0]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    case = f"gpt5.3m/make_private/world{args.world}/b{args.batch}xs64/m{args.microbatch}/{args.inner}"
     path = OUT.with_suffix(".json")
-    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    kept = [r for r in old["rows"] if r["case"] != case]
-    new = [dict(study="dpsgd-parity", case=case, metric=f"step{r['step']}/{k}", unit=u, value=r[k],
-                commit=commit, time=now)
-           for r in rows for k, u in (("batch", ""), ("loss", ""), ("epsilon", ""), ("step_s", "s"))]
-    meta = dict(commit=commit, date_utc=now, command=f"python -m bench.dpsgd_parity --steps {args.steps} "
-                f"--world {args.world} --batch {args.batch} --microbatch {args.microbatch} --inner {args.inner}",
-                machine=platform.platform(), torch=torch.__version__, load=os.getloadavg(),
-                noise_multiplier=args.noise, delta=DELTA, dataset=args.dataset, shape=SHAPE,
-                params=sum(p.numel() for p in LM(**SHAPE).parameters()),
-                note="batch = rank 0's Poisson batch; loss = rank 0's batch mean")
-    path.write_text(json.dumps({"study": "dpsgd-parity", "meta": meta, "rows": kept + new}, indent=1) + "\n")
-    lines = ["| case | metric | value |", "|---|---|---|"]
-    lines += [f"| {r['case']} | {r['metric']} | {r['value']:.4g} |" for r in kept + new]
-    OUT.with_suffix(".md").write_text("# make_private on the 5M GPT\n\n" + "\n".join(lines) + "\n")
-
+    old = harness.read(path) if path.exists() else None  # the other world size's run stays
+    records = [harness.unflatten(r) for r in harness.pivot(old.rows).values()] if old else []
+    records = [r for r in records if r["world"] != args.world] + [
+        {"world": args.world, "step": r["step"], **{k: r[k] for k in ("batch", "loss", "epsilon", "step_s")}}
+        for r in rows]
+    meta = {**common.metadata(f"python -m bench.dpsgd_parity --steps {args.steps} --world {args.world} "
+                              f"--batch {args.batch} --microbatch {args.microbatch} --inner {args.inner}"),
+            "load": os.getloadavg(), "noise_multiplier": args.noise, "delta": DELTA, "dataset": args.dataset,
+            "shape": SHAPE, "params": sum(p.numel() for p in LM(**SHAPE).parameters()),
+            "note": "batch = rank 0's Poisson batch; loss = rank 0's batch mean"}
+    harness.write("dpsgd-parity", records, OUT.parent, meta=meta)
 
 if __name__ == "__main__":
     main()

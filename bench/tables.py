@@ -460,6 +460,14 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                 "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
 SPECS: dict[str, Spec] = {s.name: s for s in (
     RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS, GPU,
+    Spec("dpsgd-parity", ("world", "step"), tables=(Table("main", (
+        Column("ranks", "world", "d"), Column("step", "step", "d"), Column("batch", "batch", "d"),
+        Column("loss", "loss", ".3f"), Column("epsilon", "epsilon", ".3f"), Column("step s", "step_s", ".1f"),
+    )),), title=lambda res: "DP-SGD with `make_private` in the plain loop: the 5.3M GPT",
+         note="`python -m bench.dpsgd_parity --steps 3 [--world 2]`: Opacus' loop (`loss.backward(); "
+              "optimizer.step()`) on fxmem's make_private, Poisson batches of expected size 32 x seq 64, chunks "
+              "of 8, noise 1.0, delta 1e-5; batch and loss are rank 0's; random tokens (the loop runs and is "
+              "accounted; nothing is learned)."),
     Spec("budget-bound", ("model",), title=lambda res: f"Recompute a budget needs: `{res.study}`",
          note="GFLOP of matmuls and attention that the backward recomputes (cheap ops not counted); % = of one "
               "eager step's FLOPs. *Bound*: the least any plan keeping at most the cap recomputes (min-cut "
