@@ -17,6 +17,7 @@ PROFILE = os.environ.get("FXMEM_ZOO_PROFILE", "tiny")
 FAMILIES = {"encoder", "decoder", "encoder-decoder", "vision", "conv", "moe", "state-space", "speech", "rnn"}
 # Over ~3 s here (Dynamo's trace of the HF model and fxmem's AOT traces; the eager steps take milliseconds).
 SLOW = {"roberta", "gpt2", "llama", "llama_tied", "mistral", "gemma2", "t5", "bart", "vit", "mixtral", "mamba",
+        "qwen2_moe",
         "whisper", "lstm"}
 
 

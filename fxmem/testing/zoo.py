@@ -134,13 +134,19 @@ def resnet(batch=2, size=32, width=16, classes=10, seed=0) -> Workload:
 
 
 def mixtral(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, kv_heads=2, experts=4, seed=0) -> Workload:
-    """Mixtral: top-2 routing over ``experts`` experts; the router's load-balancing loss is in the loss."""
-    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    """Mixtral: top-2 routing over ``experts`` experts; the router's load-balancing loss is in the loss
+    (its logits come through hooks that transformers installs on the first call: fxmem installs
+    them before Dynamo traces, see :mod:`fxmem.graph_breaks`)."""
+    return _decoder("mixtral", "MixtralForCausalLM", batch, seq, vocab, d, layers, heads, kv_heads, seed,
+                    num_local_experts=experts, num_experts_per_tok=2, output_router_logits=True)
 
-    w = _decoder("mixtral", "MixtralForCausalLM", batch, seq, vocab, d, layers, heads, kv_heads, seed,
-                 num_local_experts=experts, num_experts_per_tok=2, output_router_logits=True)
-    maybe_install_capturing_hooks(w.model.model)  # else the first call installs them (under a lock: a graph break)
-    return w
+
+def qwen2_moe(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, kv_heads=2, experts=4, seed=0) -> Workload:
+    """Qwen2-MoE: top-2 of ``experts`` routed experts plus a gated shared expert in every layer,
+    load-balancing loss included."""
+    return _decoder("qwen2_moe", "Qwen2MoeForCausalLM", batch, seq, vocab, d, layers, heads, kv_heads, seed,
+                    num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=d,
+                    shared_expert_intermediate_size=2 * d, output_router_logits=True)
 
 
 def mamba(batch=2, seq=16, vocab=512, d=32, layers=2, seed=0) -> Workload:
@@ -236,13 +242,14 @@ def unet(batch=2, size=32, width=16, seed=0) -> Workload:
 ZOO: dict[str, Callable[..., Workload]] = {
     "roberta": roberta, "gpt2": gpt2, "llama": llama, "llama_tied": llama_tied, "mistral": mistral,
     "gemma2": gemma2, "t5": t5, "bart": bart, "vit": vit, "resnet": resnet, "mixtral": mixtral, "mamba": mamba,
-    "whisper": whisper, "convnet": convnet, "lstm": lstm, "unet": unet,
+    "whisper": whisper, "convnet": convnet, "lstm": lstm, "unet": unet, "qwen2_moe": qwen2_moe,
 }
 
 FAMILY: dict[str, str] = {
     "roberta": "encoder", "gpt2": "decoder", "llama": "decoder", "llama_tied": "decoder", "mistral": "decoder",
     "gemma2": "decoder", "t5": "encoder-decoder", "bart": "encoder-decoder", "vit": "vision", "resnet": "conv",
     "mixtral": "moe", "mamba": "state-space", "whisper": "speech", "convnet": "conv", "lstm": "rnn", "unet": "conv",
+    "qwen2_moe": "moe",
 }
 
 
@@ -254,7 +261,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {name: {} for name in ZOO},
     "thorough": {
         **{name: _TEXT for name in ("roberta", "gpt2", "llama", "llama_tied", "mistral", "gemma2", "t5", "bart",
-                                    "mixtral")},
+                                    "mixtral", "qwen2_moe")},
         "vit": dict(_IMAGE, patch=4, d=128, layers=4, heads=4),
         "resnet": dict(_IMAGE, width=32), "convnet": dict(_IMAGE, width=32), "unet": dict(_IMAGE, width=32),
         "mamba": dict(batch=4, seq=64, vocab=32000, d=128, layers=4),  # the scan is unrolled over seq
