@@ -21,10 +21,7 @@ MOE = {
                                   num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True),
     "olmoe": lambda: _decoder("olmoe", "OlmoeForCausalLM", 2, 16, 512, 32, 2, 4, 2, 0, num_experts=4,
                               num_experts_per_tok=2, output_router_logits=True, pad_token_id=0, eos_token_id=1),
-    "deepseek_v3": lambda: _decoder("deepseek_v3", "DeepseekV3ForCausalLM", 2, 16, 512, 32, 2, 4, 4, 0,
-                                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
-                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1),
+    "deepseek_v3": lambda: zoo_build("deepseek_v3"),
 }
 
 
