@@ -14,7 +14,10 @@ def _arg(spec):
     if isinstance(spec, dict) and "shape" in spec:
         dtype = getattr(torch, spec["dtype"])
         make = torch.randn if dtype.is_floating_point else torch.zeros
-        return make(spec["shape"], dtype=dtype)
+        value = make(spec["shape"], dtype=dtype)
+        if "stride" in spec:  # a non-contiguous layout (channels-last)
+            return torch.empty_strided(spec["shape"], spec["stride"], dtype=dtype).copy_(value)
+        return value
     if isinstance(spec, list):
         return [_arg(s) for s in spec]
     return spec

@@ -8,12 +8,24 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
   adds ``logging.Logger.warning_once`` (transformers attaches it to ``Logger``) to Dynamo's
   ``ignore_logger_methods``, so stock HF models compile into one graph; in compiled code those
   once-only notices are then not printed.
+- Hugging Face models that return per-layer outputs through hooks (MoE routers' logits with
+  ``output_router_logits=True``, ``output_hidden_states``, ``output_attentions``) install those
+  hooks lazily on their first call (``maybe_install_capturing_hooks``), under a
+  ``threading.Lock`` Dynamo cannot enter, and registering a hook mutates a class attribute Dynamo
+  refuses: an MoE LM was two graphs per step, for ever (the break is compiled in). fxmem gives
+  Dynamo a stand-in for that function that runs the real one at trace time (as
+  ``assume_constant_result`` does), so the hooks exist before Dynamo traces the layers and are
+  traced with them; the compiled code is guarded on the model's identity, as Dynamo guards any
+  object passed to such a function.
 - :func:`breaks_since` tells what broke a step's graph, for ``fxmem.explain`` and ``clipped_grad``.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
+import sys
 from collections import Counter
 
 import torch
@@ -30,6 +42,59 @@ def ignore_once_warnings(*_: object) -> None:
     handler = torch._dynamo.callback.callback_handler
     if ignore_once_warnings not in handler.start_callbacks:
         handler.register_start_callback(ignore_once_warnings)
+    _trace_time_output_hooks()
+
+
+_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _trace_time_output_hooks() -> None:
+    """Register, once per process (Dynamo keeps polyfills across ``torch._dynamo.reset()``, which
+    drops compile-start callbacks), the stand-in for transformers' ``maybe_install_capturing_hooks``:
+    now if transformers' module is loaded, else right after it is imported."""
+    capturing = sys.modules.get(_CAPTURING)
+    if capturing is None:
+        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport())
+        return
+    original = getattr(capturing, "maybe_install_capturing_hooks", None)
+    if original is None or original in _STAND_INS:
+        return
+
+    @torch._dynamo.assume_constant_result
+    def install_now(model: torch.nn.Module) -> bool:
+        original(model)
+        return True
+
+    def stand_in(model):
+        install_now(model)
+
+    torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(stand_in)
+    _STAND_INS.add(original)
+
+
+_STAND_INS: set = set()  # the functions given a stand-in: Dynamo refuses a second registration
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when transformers' output-capturing module is imported, lets the
+    other finders load it and registers the stand-in right after the module runs."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _CAPTURING:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _trace_time_output_hooks()
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def break_count() -> Counter:

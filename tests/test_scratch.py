@@ -147,6 +147,56 @@ def test_convolution_temporaries_are_measured_once_per_configuration(x_shape, w_
     measured_mod.known.cache_clear()  # the next test reads the real cache again
 
 
+# Every shape class of convolution (input, weight, stride, padding, dilation, transposed, groups,
+# channels-last input and gradient): oneDNN's temporaries differ with each, and with the layout.
+CONV_CLASSES = {
+    "depthwise-3x3": ((2, 32, 28, 28), (32, 1, 3, 3), 1, 1, 1, False, 32, False),
+    "depthwise-7x7": ((2, 32, 28, 28), (32, 1, 7, 7), 1, 3, 1, False, 32, False),
+    "depthwise-7x7-channels-last": ((2, 32, 28, 28), (32, 1, 7, 7), 1, 3, 1, False, 32, True),
+    "grouped": ((2, 32, 16, 16), (64, 8, 3, 3), 1, 1, 1, False, 4, False),
+    "dilated": ((2, 16, 16, 16), (16, 16, 3, 3), 1, 2, 2, False, 1, False),
+    "transposed": ((2, 16, 8, 8), (16, 8, 4, 4), 2, 1, 1, True, 1, False),
+    "1d-strided": ((2, 1, 400), (16, 1, 10), 5, 0, 1, False, 1, False),
+    "1d-transposed": ((2, 16, 32), (16, 8, 4), 2, 1, 1, True, 1, False),
+    "3d": ((2, 4, 8, 8, 8), (8, 4, 3, 3, 3), 1, 1, 1, False, 1, False),
+    "2d-channels-last": ((2, 16, 16, 16), (32, 16, 3, 3), 1, 1, 1, False, 1, True),
+}
+
+
+def _conv_calls(case):
+    """(forward args, backward args) of a convolution of shape class ``case``."""
+    x_shape, w_shape, stride, padding, dilation, transposed, groups, channels_last = CONV_CLASSES[case]
+    torch.manual_seed(0)
+    k = len(x_shape) - 2
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    fwd = [x, w, None, [stride] * k, [padding] * k, [dilation] * k, transposed, [0] * k, groups]
+    grad = torch.randn_like(aten.convolution.default(*fwd))
+    if channels_last:
+        fwd[0] = x.contiguous(memory_format=torch.channels_last)
+        grad = grad.contiguous(memory_format=torch.channels_last)
+    return tuple(fwd), (grad, *fwd[:2], None, *fwd[3:], [True, True, False])
+
+
+@pytest.mark.parametrize("case", [c if c == "depthwise-7x7-channels-last" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in CONV_CLASSES])
+def test_every_convolution_shape_class_predicts_its_temporaries_exactly(case, tmp_path, monkeypatch):
+    """Predicted (measured in a child process at the call's shapes and strides) equals the
+    allocator's count here, forward and backward."""
+    import fxmem.graph.measured as measured_mod
+
+    monkeypatch.setenv("FXMEM_CACHE", str(tmp_path))
+    measured_mod.known.cache_clear()
+    try:
+        calls = list(zip((aten.convolution.default, aten.convolution_backward.default), _conv_calls(case)))
+        predicted = [int(op_scratch(op, args, {}, None)) for op, args in calls]  # the child measures
+    finally:
+        measured_mod.known.cache_clear()  # the next test reads the real cache again
+    for (op, args), p in zip(calls, predicted):
+        op(*args)  # oneDNN's primitive cache warm, as in the child
+        got, _ = measured(op, *args)
+        assert p == got, (case, op, p, got)
+
+
 @pytest.mark.parametrize("rows,vocab,workspace", [(4, 16, 1 << 20), (256, 1000, 1 << 22), (512, 1000, 64000),
                                                   (2048, 100, 40000)])
 def test_fused_loss_workspace_and_row_vectors_match_the_allocator(rows, vocab, workspace):

@@ -2,8 +2,10 @@
 convolutions), measured once per configuration on this machine.
 
 oneDNN picks a layout per shape and reorders into it: a convolution's temporaries range from
-nothing (1x1) to several times its output, with no formula that holds across shapes. So they are
-measured: the op at the plan shape on random data, in a fresh Python process (the allocator's
+nothing (1x1) to several times its output, with no formula that holds across shapes, and they
+depend on the inputs' memory layout too (a depthwise 7x7 backward with a channels-last input
+allocates 3x what it does on contiguous ones). So they are measured: the op at the plan shape and
+strides on random data, in a fresh Python process (the allocator's
 events come from the profiler, and the caller may be profiling already), every configuration of a
 graph in one run, cached in memory and on disk, keyed by torch's version and the thread count
 (the child process and the cache file: :mod:`fxmem.measurements`). A dynamic batch scales the
@@ -43,7 +45,10 @@ def _spec(a: Any) -> Any:
     """An argument as JSON: a tensor as its shape and dtype at the plan shape."""
     a = value_of(a)
     if isinstance(a, torch.Tensor):
-        return {"shape": [_hint(d) for d in a.shape], "dtype": str(a.dtype).removeprefix("torch.")}
+        spec = {"shape": [_hint(d) for d in a.shape], "dtype": str(a.dtype).removeprefix("torch.")}
+        if not a.is_contiguous():  # a layout oneDNN reorders from (channels-last: ConvNeXt's depthwise convs)
+            spec["stride"] = [_hint(d) for d in a.stride()]
+        return spec
     if isinstance(a, (list, tuple)):
         return [_spec(x) for x in a]
     if isinstance(a, torch.SymInt):

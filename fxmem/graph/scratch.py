@@ -12,8 +12,9 @@ inputs and its outputs). Known:
   builds a bool mask of the -inf entries;
 - the random-op replay wrappers: their op's temporaries, and ``run_with_rng_state`` a copy of
   the generator's state (to restore it after drawing);
-- CPU convolutions, forward and backward: measured per configuration (:mod:`.measured`; oneDNN
-  picks a layout per shape, and its reorder buffers follow no formula).
+- CPU convolutions, forward and backward, of every shape class (depthwise, grouped, dilated,
+  transposed, 1D/2D/3D): measured per configuration, shapes and strides (:mod:`.measured`; oneDNN
+  picks a layout per shape and input layout, and its reorder buffers follow no formula).
 
 Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces; the CPU bf16
 matmul's packing buffers (a few hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).

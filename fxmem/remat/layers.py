@@ -1,18 +1,29 @@
-"""Transformer layers from the graph: which forward nodes belong to which repeated block.
+"""Layers from the graph: which forward nodes belong to which repeated block.
 
-Dynamo records each node's module path (``node.meta["nn_module_stack"]``); a layer is the module
-path up to its first integer segment (``transformer.h.3``, ``model.layers.0``, ``blocks.2``),
-which covers plain ``nn.ModuleList`` models and Hugging Face models alike, when that module has
-submodules (a numbered leaf, ``nn.Sequential(conv, bn, relu)``'s ``1``, is an op of the code
-around it); without numbered blocks, the top-level modules with submodules (a UNet's stages).
-Nodes that decompositions created without a path inherit the layer of their inputs. A layer's *boundary* is every tensor
-it reads from outside itself (the residual stream, plus small shared inputs such as rotary tables)
-and every tensor of it that code outside the layers reads (the last layer's output).
+Dynamo records, for every node, the stack of module *calls* it ran in
+(``node.meta["nn_module_stack"]``: one entry per call, keyed by the module and, for the second
+and later calls of one module, ``@1``, ``@2``...). A layer is a call of a *repeated block*: a
+module with submodules (a leaf such as ``Linear`` or a norm is an op, not a block) whose class is
+called at least twice at one depth of the module tree. So are found alike Hugging Face's numbered
+blocks (``model.layers.3``), ``nn.TransformerEncoder``'s layers, conv stages and residual
+blocks, MoE decoder layers and one layer applied several times with shared weights (an
+ALBERT-style stack: three calls, three layers, keyed ``...layer_groups.0``, ``...0@1``,
+``...0@2``). The outermost repeated blocks are taken, unless one is itself a stack: when the
+repeated blocks inside a call cover most of it (a T5 or Whisper encoder of numbered blocks), its
+inner blocks are the layers. A numbered sibling of a layer (Jamba's one attention layer among
+Mamba layers, DeepSeek's dense first layer) is a layer too. Without repeated blocks, the
+top-level modules with submodules are the layers when there are two or more (a UNet's ``down``,
+``mid``, ``up``); else there are none (``layers`` returns ``{}``).
+Nodes that decompositions created without a module stack inherit the layer of their inputs. A
+layer's *boundary* is every tensor it reads from outside itself (the residual stream, plus small
+shared inputs such as rotary tables) and every tensor of it that code outside the layers reads
+(the last layer's output).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -21,6 +32,7 @@ from .allowlist import CHEAP, kind
 from .replay import is_state
 
 _ITEM = re.compile(r"(?:\._modules)?\['?([^'\]]+)'?\]")
+STACK = 0.8  # the share of a repeated block's nodes that repeated blocks inside it must hold for it to be a stack
 
 
 def module_path(raw: str) -> list[str]:
@@ -33,42 +45,88 @@ def module_path(raw: str) -> list[str]:
     return parts[2:] if parts[:1] == ["args"] else parts[1:]
 
 
-def _paths(node: fx.Node) -> list[tuple[str, ...]]:
-    """The module paths of ``node``'s stack, outermost first (the compiled module itself: ())."""
-    return [tuple(module_path(raw)) for raw, _ in (node.meta.get("nn_module_stack") or {}).values()]
+@dataclass
+class _Call:
+    """One call of a module: where it sits and the forward nodes it ran."""
+    key: str                       # Dynamo's key of the call: the module's, with ``@n`` on its n-th repeat
+    path: tuple[str, ...]          # the module's path in the compiled module, () for that module itself
+    cls: str
+    depth: int
+    parent: str | None
+    nodes: list[fx.Node] = field(default_factory=list)
+    children: dict[str, None] = field(default_factory=dict)  # calls made inside it, in graph order
+
+    @property
+    def name(self) -> str:
+        """The layer key: the module path, with the repeat's ``@n`` for a module called again."""
+        repeat = self.key.rpartition("@")[2] if "@" in self.key else ""
+        return ".".join(self.path) + (f"@{repeat}" if repeat else "")
 
 
-def _blocks(nodes) -> set[tuple[str, ...]]:
-    """The repeated blocks: modules with submodules (a leaf such as ``features.1 = MaxPool2d`` is
-    an op, not a block) that are numbered children (``transformer.h.3``, ``features.0``: the first
-    numbered module on a path). A network without numbered blocks (a UNet's ``down``, ``mid``,
-    ``up``) has its top-level modules with submodules instead, when there are two or more."""
-    stacks = [_paths(n) for n in nodes]
-    seen = {p for stack in stacks for p in stack}
-    composite = {p[:i] for p in seen for i in range(1, len(p)) if p[:i] in seen}
-    numbered = set()
-    for stack in stacks:
-        first = next((p for p in stack if p and p[-1].isdigit() and not any(s.isdigit() for s in p[:-1])), None)
-        if first in composite:
-            numbered.add(first)
-    if numbered:
-        return numbered
-    top = {p for p in composite if len(p) == 1}
-    return top if len(top) >= 2 else set()
+def _calls(nodes) -> dict[str, _Call]:
+    calls: dict[str, _Call] = {}
+    for n in nodes:
+        stack = list((n.meta.get("nn_module_stack") or {}).items())
+        for depth, (key, (raw, cls)) in enumerate(stack):
+            call = calls.get(key)
+            if call is None:
+                call = calls[key] = _Call(key, tuple(module_path(raw)), str(cls), depth,
+                                          stack[depth - 1][0] if depth else None)
+            call.nodes.append(n)
+            if depth + 1 < len(stack):
+                call.children[stack[depth + 1][0]] = None
+    return calls
 
 
-def layer_key(node: fx.Node, blocks: set[tuple[str, ...]]) -> str | None:
-    return next((".".join(p) for p in _paths(node) if p in blocks), None)
+def _layer_calls(calls: dict[str, _Call]) -> list[_Call]:
+    """The calls that are layers (see the module's docstring), disjoint, in graph order."""
+    groups: dict[tuple[str, int], list[_Call]] = {}
+    for c in calls.values():
+        if c.children and c.path:  # not the compiled module itself (its stack entry, where Dynamo has one)
+            groups.setdefault((c.cls, c.depth), []).append(c)
+    repeated = {c.key for group in groups.values() if len(group) >= 2 for c in group}
+
+    def outermost(call: _Call) -> list[_Call]:
+        """The repeated calls inside ``call`` (itself excluded) not inside another one."""
+        found = []
+        for k in call.children:
+            child = calls[k]
+            found.extend([child] if k in repeated else outermost(child))
+        return found
+
+    def expand(call: _Call) -> list[_Call]:
+        """``call``, or the layers inside it when it is a stack: two or more calls of one repeated
+        block hold most of its nodes."""
+        inner = outermost(call)
+        same: dict[tuple[str, int], list[_Call]] = {}
+        for c in inner:
+            same.setdefault((c.cls, c.depth), []).append(c)
+        if any(len(g) >= 2 and sum(len(c.nodes) for c in g) >= STACK * len(call.nodes) for g in same.values()):
+            return [layer for c in inner for layer in expand(c)]
+        return [call]
+
+    roots = [c for c in calls.values() if c.parent is None]
+    chosen = [layer for c in roots for top in ([c] if c.key in repeated else outermost(c)) for layer in expand(top)]
+    if chosen:  # numbered siblings of a layer that are blocks of another class
+        numbered = {(c.parent, c.path[:-1]) for c in chosen if c.path and c.path[-1].isdigit()}
+        keys = {c.key for c in chosen}
+        chosen += [c for c in calls.values() if c.key not in keys and c.children and c.path
+                   and c.path[-1].isdigit() and (c.parent, c.path[:-1]) in numbered]
+    else:
+        top = [c for c in calls.values() if len(c.path) == 1 and c.children]
+        chosen = top if len(top) >= 2 else []
+    return chosen
 
 
 def layers(joint: JointGraph) -> dict[fx.Node, str]:
-    """Forward node -> layer key, for nodes inside a repeated block."""
+    """Forward node -> layer key, for nodes inside a layer (``{}`` when the graph has none)."""
     forward = [n for n in joint.gm.graph.nodes if n in joint.forward and n.op == "call_function"]
-    blocks = _blocks(forward)
+    of_call = {c.key: c.name for c in _layer_calls(_calls(forward))}
     key: dict[fx.Node, str] = {}
     for n in forward:
-        k = layer_key(n, blocks)
-        if k is None and not n.meta.get("nn_module_stack"):  # made by a decomposition: inherit
+        stack = n.meta.get("nn_module_stack")
+        k = next((of_call[c] for c in (stack or {}) if c in of_call), None)
+        if k is None and not stack:  # made by a decomposition: inherit
             ks = {key.get(a) for a in n.all_input_nodes if a.op != "placeholder"} - {None}
             k = ks.pop() if len(ks) == 1 else None  # ignore layer-less inputs (lifted constants)
         if k is not None:

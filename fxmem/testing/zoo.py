@@ -134,13 +134,19 @@ def resnet(batch=2, size=32, width=16, classes=10, seed=0) -> Workload:
 
 
 def mixtral(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, kv_heads=2, experts=4, seed=0) -> Workload:
-    """Mixtral: top-2 routing over ``experts`` experts; the router's load-balancing loss is in the loss."""
-    from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    """Mixtral: top-2 routing over ``experts`` experts; the router's load-balancing loss is in the loss
+    (its logits come through hooks that transformers installs on the first call: fxmem installs
+    them before Dynamo traces, see :mod:`fxmem.graph_breaks`)."""
+    return _decoder("mixtral", "MixtralForCausalLM", batch, seq, vocab, d, layers, heads, kv_heads, seed,
+                    num_local_experts=experts, num_experts_per_tok=2, output_router_logits=True)
 
-    w = _decoder("mixtral", "MixtralForCausalLM", batch, seq, vocab, d, layers, heads, kv_heads, seed,
-                 num_local_experts=experts, num_experts_per_tok=2, output_router_logits=True)
-    maybe_install_capturing_hooks(w.model.model)  # else the first call installs them (under a lock: a graph break)
-    return w
+
+def qwen2_moe(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, kv_heads=2, experts=4, seed=0) -> Workload:
+    """Qwen2-MoE: top-2 of ``experts`` routed experts plus a gated shared expert in every layer,
+    load-balancing loss included."""
+    return _decoder("qwen2_moe", "Qwen2MoeForCausalLM", batch, seq, vocab, d, layers, heads, kv_heads, seed,
+                    num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=d,
+                    shared_expert_intermediate_size=2 * d, output_router_logits=True)
 
 
 def mamba(batch=2, seq=16, vocab=512, d=32, layers=2, seed=0) -> Workload:
@@ -159,6 +165,115 @@ def whisper(batch=2, frames=32, mels=16, seq=16, vocab=512, d=32, layers=2, head
                decoder_attention_heads=heads, encoder_ffn_dim=2 * d, decoder_ffn_dim=2 * d,
                max_source_positions=frames // 2, max_target_positions=max(seq, 64), pad_token_id=1, bos_token_id=2,
                eos_token_id=2, decoder_start_token_id=2, begin_suppress_tokens=None, use_cache=False)
+
+
+def _causal(name: str, cls: str, batch: int, seq: int, vocab: int, seed: int, **config: Any) -> Workload:
+    return _hf(name, cls, _tokens(batch, seq, vocab, seed), seed, vocab_size=vocab, use_cache=False, **config)
+
+
+def gptj(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """GPT-J: attention and MLP in parallel from one LayerNorm, partial rotary (dropout 0.0)."""
+    return _causal("gptj", "GPTJForCausalLM", batch, seq, vocab, seed, n_positions=max(seq, 64), n_embd=d,
+                   n_layer=layers, n_head=heads, rotary_dim=d // heads // 2, bos_token_id=1, eos_token_id=1)
+
+
+def gpt_neox(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """GPT-NeoX (Pythia): parallel residual with two LayerNorms, fused QKV, rotary (dropout 0.0)."""
+    return _causal("gpt_neox", "GPTNeoXForCausalLM", batch, seq, vocab, seed, hidden_size=d, num_hidden_layers=layers,
+                   num_attention_heads=heads, intermediate_size=4 * d, max_position_embeddings=max(seq, 64),
+                   bos_token_id=1, eos_token_id=1)
+
+
+def bloom(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """BLOOM: ALiBi position biases, LayerNorm after the embedding (dropout 0.0)."""
+    return _causal("bloom", "BloomForCausalLM", batch, seq, vocab, seed, hidden_size=d, n_layer=layers, n_head=heads,
+                   bos_token_id=1, eos_token_id=1)
+
+
+def mpt(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """MPT: ALiBi, no biases, LayerNorm without bias (dropout 0.0)."""
+    return _causal("mpt", "MptForCausalLM", batch, seq, vocab, seed, d_model=d, n_layers=layers, n_heads=heads,
+                   max_seq_len=max(seq, 64))
+
+
+def falcon(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """Falcon-7B style: multi-query attention (one key/value head), parallel attention and MLP."""
+    return _causal("falcon", "FalconForCausalLM", batch, seq, vocab, seed, hidden_size=d, num_hidden_layers=layers,
+                   num_attention_heads=heads, multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                   bos_token_id=1, eos_token_id=1)
+
+
+def gpt_bigcode(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """GPTBigCode (StarCoder): multi-query attention, learned positions (dropout 0.1)."""
+    return _causal("gpt_bigcode", "GPTBigCodeForCausalLM", batch, seq, vocab, seed, n_positions=max(seq, 64), n_embd=d,
+                   n_layer=layers, n_head=heads, multi_query=True, bos_token_id=1, eos_token_id=1)
+
+
+def deepseek_v3(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, experts=4, seed=0) -> Workload:
+    """DeepSeek-V3: multi-head latent attention, a dense first layer, then routed experts beside a
+    shared expert (group-limited top-2 routing)."""
+    return _decoder("deepseek_v3", "DeepseekV3ForCausalLM", batch, seq, vocab, d, layers, heads, heads, seed,
+                    n_routed_experts=experts, num_experts_per_tok=2, moe_intermediate_size=d, n_shared_experts=1,
+                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1)
+
+
+def albert(batch=2, seq=16, vocab=512, d=32, layers=3, heads=4, seed=0) -> Workload:
+    """ALBERT masked LM: one layer's weights applied ``layers`` times, factorized embedding (dropout 0)."""
+    return _hf("albert", "AlbertForMaskedLM", _masked(batch, seq, vocab, seed, mask_id=3), seed, vocab_size=vocab,
+               embedding_size=d // 2, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+               intermediate_size=2 * d, max_position_embeddings=max(seq, 64))
+
+
+def deberta_v2(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """DeBERTa-v2 masked LM: disentangled attention (content-to-position and position-to-content over
+    log-bucketed relative positions), dropout 0.1."""
+    return _hf("deberta_v2", "DebertaV2ForMaskedLM", _masked(batch, seq, vocab, seed, mask_id=3), seed,
+               vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+               intermediate_size=2 * d, max_position_embeddings=max(seq, 64), relative_attention=True,
+               pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=seq, position_biased_input=False)
+
+
+def swin(batch=2, size=32, patch=4, d=16, heads=2, window=4, classes=10, seed=0) -> Workload:
+    """Swin: windowed attention with shifted windows, patch merging between two stages."""
+    return _hf("swin", "SwinForImageClassification", _images(batch, size, classes, seed), seed, image_size=size,
+               patch_size=patch, embed_dim=d, depths=[2, 1], num_heads=[heads, 2 * heads], window_size=window,
+               num_labels=classes)
+
+
+def convnext(batch=2, size=32, width=16, classes=10, seed=0) -> Workload:
+    """ConvNeXt: depthwise 7x7 convolutions on channels-last activations, two stages."""
+    return _hf("convnext", "ConvNextForImageClassification", _images(batch, size, classes, seed), seed,
+               num_stages=2, hidden_sizes=[width, 2 * width], depths=[2, 1], num_labels=classes)
+
+
+def clip(batch=2, seq=16, vocab=512, size=32, patch=8, d=32, layers=2, heads=4, seed=0) -> Workload:
+    """CLIP: a text and a vision transformer, the symmetric contrastive loss over the batch's pairs
+    (CLIP's own ``image_text_contrastive_loss``, taken from the outputs: the batch holds tensors only)."""
+    from transformers.models.clip.modeling_clip import image_text_contrastive_loss
+
+    g = torch.Generator().manual_seed(seed)
+    batch_ = {"input_ids": torch.randint(3, vocab, (batch, seq), generator=g),
+              "pixel_values": torch.randn(batch, 3, size, size, generator=g)}
+    tower = dict(hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * d)
+    w = _hf("clip", "CLIPModel", batch_, seed, projection_dim=d,
+            text_config=dict(tower, vocab_size=vocab, max_position_embeddings=max(seq, 64), pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2),
+            vision_config=dict(tower, image_size=size, patch_size=patch))
+    return Workload("clip", w.model, batch_, lambda out: image_text_contrastive_loss(out.logits_per_text))
+
+
+def wav2vec2(batch=2, samples=800, d=32, layers=2, heads=4, classes=4, seed=0) -> Workload:
+    """Wav2Vec2 utterance classifier: a 1D conv feature extractor (strides 5, 2, 2) with group
+    norm, a convolutional position embedding, the transformer; SpecAugment's time masks off (they
+    are drawn with numpy, outside torch's generator)."""
+    g = torch.Generator().manual_seed(seed)
+    batch_ = {"input_values": torch.randn(batch, samples, generator=g),
+              "labels": torch.randint(0, classes, (batch,), generator=g)}
+    return _hf("wav2vec2", "Wav2Vec2ForSequenceClassification", batch_, seed, hidden_size=d,
+               num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * d,
+               conv_dim=[16, 16, 16], conv_stride=[5, 2, 2], conv_kernel=[10, 3, 3], num_conv_pos_embeddings=16,
+               num_conv_pos_embedding_groups=4, mask_time_prob=0.0, num_labels=classes, classifier_proj_size=d)
 
 
 # --- plain PyTorch ----------------------------------------------------------------------------
@@ -181,20 +296,40 @@ class ConvNet(nn.Module):
         return F.cross_entropy(self.head(self.features(pixel_values)), labels)
 
 
-class LSTMLM(nn.Module):
-    """Embedding, a stacked ``nn.LSTM``, a linear head: next-token loss. Dropout between the layers is
-    ``nn.LSTM``'s default, 0: with it on, AOTAutograd's decomposition of the LSTM draws other masks than
-    eager's fused kernel (any AOT backend: no equal step to compare with). Dynamo traces it only with
-    ``torch._dynamo.config.allow_rnn = True`` (else it leaves the whole forward to eager)."""
+class RecurrentLM(nn.Module):
+    """Embedding, a stacked recurrent layer (``nn.LSTM`` or ``nn.GRU``), a linear head: next-token
+    loss. Dropout between the layers is their default, 0: with it on, AOTAutograd's decomposition
+    draws other masks than eager's fused kernel (any AOT backend: no equal step to compare with).
+    Dynamo traces them only with ``torch._dynamo.config.allow_rnn = True`` (else it leaves the
+    whole forward to eager)."""
 
-    def __init__(self, vocab=512, d=32, layers=2, dropout=0.0):
+    def __init__(self, vocab=512, d=32, layers=2, dropout=0.0, cell: type[nn.Module] = nn.LSTM):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.lstm = nn.LSTM(d, d, layers, batch_first=True, dropout=dropout)
+        self.rnn = cell(d, d, layers, batch_first=True, dropout=dropout)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.lstm(self.embed(input_ids))[0])
+        logits = self.head(self.rnn(self.embed(input_ids))[0])
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+class TransformerLM(nn.Module):
+    """A plain ``nn.TransformerEncoder`` (post-norm, ReLU, dropout 0.1 as it ships) under a causal
+    mask, learned positions, a linear head: next-token loss."""
+
+    def __init__(self, vocab=512, seq=16, d=32, layers=2, heads=4):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 2 * d, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(torch.arange(seq, device=input_ids.device))
+        logits = self.head(self.encoder(x, mask=mask, is_causal=True))
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
@@ -223,7 +358,16 @@ def convnet(batch=2, size=32, width=16, classes=10, seed=0) -> Workload:
 
 
 def lstm(batch=2, seq=16, vocab=512, d=32, layers=2, dropout=0.0, seed=0) -> Workload:
-    return _plain("lstm", lambda: LSTMLM(vocab, d, layers, dropout), _tokens(batch, seq, vocab, seed), seed)
+    return _plain("lstm", lambda: RecurrentLM(vocab, d, layers, dropout), _tokens(batch, seq, vocab, seed), seed)
+
+
+def gru(batch=2, seq=8, vocab=512, d=32, layers=2, seed=0) -> Workload:
+    return _plain("gru", lambda: RecurrentLM(vocab, d, layers, cell=nn.GRU), _tokens(batch, seq, vocab, seed), seed)
+
+
+def torch_encoder(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
+    batch_ = _tokens(batch, seq, vocab, seed)
+    return _plain("torch_encoder", lambda: TransformerLM(vocab, seq, d, layers, heads), batch_, seed)
 
 
 def unet(batch=2, size=32, width=16, seed=0) -> Workload:
@@ -233,16 +377,42 @@ def unet(batch=2, size=32, width=16, seed=0) -> Workload:
     return _plain("unet", lambda: UNet(3, width), batch_, seed)
 
 
+def diffusion_unet(batch=2, size=16, width=16, seed=0) -> Workload:
+    """A ``diffusers`` UNet2DModel (DDPM's): ResNet blocks with GroupNorm and SiLU, a timestep
+    embedding, self-attention at the lower resolution, skip connections; the loss is the noise
+    prediction's MSE."""
+    from diffusers import UNet2DModel
+
+    g = torch.Generator().manual_seed(seed)
+    batch_ = {"sample": torch.randn(batch, 3, size, size, generator=g),
+              "timestep": torch.randint(0, 1000, (batch,), generator=g)}
+    noise = torch.randn(batch, 3, size, size, generator=g)
+    torch.manual_seed(seed)
+    model = UNet2DModel(sample_size=size, in_channels=3, out_channels=3, layers_per_block=1,
+                        block_out_channels=(width, 2 * width), norm_num_groups=8,
+                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    return Workload("diffusion_unet", model, batch_, lambda out: F.mse_loss(out.sample, noise))
+
+
 ZOO: dict[str, Callable[..., Workload]] = {
     "roberta": roberta, "gpt2": gpt2, "llama": llama, "llama_tied": llama_tied, "mistral": mistral,
     "gemma2": gemma2, "t5": t5, "bart": bart, "vit": vit, "resnet": resnet, "mixtral": mixtral, "mamba": mamba,
-    "whisper": whisper, "convnet": convnet, "lstm": lstm, "unet": unet,
+    "whisper": whisper, "convnet": convnet, "lstm": lstm, "unet": unet, "qwen2_moe": qwen2_moe,
+    "gptj": gptj, "gpt_neox": gpt_neox, "bloom": bloom, "mpt": mpt, "falcon": falcon, "gpt_bigcode": gpt_bigcode,
+    "deepseek_v3": deepseek_v3, "albert": albert, "deberta_v2": deberta_v2, "swin": swin, "convnext": convnext,
+    "clip": clip, "wav2vec2": wav2vec2, "diffusion_unet": diffusion_unet, "torch_encoder": torch_encoder,
+    "gru": gru,
 }
 
 FAMILY: dict[str, str] = {
     "roberta": "encoder", "gpt2": "decoder", "llama": "decoder", "llama_tied": "decoder", "mistral": "decoder",
     "gemma2": "decoder", "t5": "encoder-decoder", "bart": "encoder-decoder", "vit": "vision", "resnet": "conv",
     "mixtral": "moe", "mamba": "state-space", "whisper": "speech", "convnet": "conv", "lstm": "rnn", "unet": "conv",
+    "qwen2_moe": "moe", "gptj": "decoder", "gpt_neox": "decoder", "bloom": "decoder", "mpt": "decoder",
+    "falcon": "decoder", "gpt_bigcode": "decoder", "deepseek_v3": "moe", "albert": "encoder",
+    "deberta_v2": "encoder", "swin": "vision", "convnext": "conv", "clip": "contrastive", "wav2vec2": "speech",
+    "diffusion_unet": "diffusion", "torch_encoder": "encoder", "gru": "rnn",
 }
 
 
@@ -254,12 +424,18 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {name: {} for name in ZOO},
     "thorough": {
         **{name: _TEXT for name in ("roberta", "gpt2", "llama", "llama_tied", "mistral", "gemma2", "t5", "bart",
-                                    "mixtral")},
+                                    "mixtral", "qwen2_moe", "gptj", "gpt_neox", "bloom", "mpt", "falcon",
+                                    "gpt_bigcode", "deepseek_v3", "albert", "deberta_v2", "torch_encoder")},
         "vit": dict(_IMAGE, patch=4, d=128, layers=4, heads=4),
         "resnet": dict(_IMAGE, width=32), "convnet": dict(_IMAGE, width=32), "unet": dict(_IMAGE, width=32),
         "mamba": dict(batch=4, seq=64, vocab=32000, d=128, layers=4),  # the scan is unrolled over seq
         "whisper": dict(batch=4, frames=256, mels=80, seq=128, vocab=32000, d=128, layers=4, heads=4),
         "lstm": dict(batch=4, seq=32, vocab=8192, d=128, layers=2),  # unrolled over seq too
+        "gru": dict(batch=4, seq=32, vocab=8192, d=128, layers=2),
+        "swin": dict(_IMAGE, d=64, heads=2, window=8), "convnext": dict(_IMAGE, width=64),
+        "clip": dict(batch=8, seq=32, vocab=32000, size=64, patch=8, d=128, layers=4, heads=4),
+        "wav2vec2": dict(batch=4, samples=16000, d=128, layers=4, heads=4),
+        "diffusion_unet": dict(batch=8, size=32, width=32),
     },
 }
 
