@@ -460,6 +460,9 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                 "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
 SPECS: dict[str, Spec] = {s.name: s for s in (
     RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS, GPU,
+    Spec("generality", ("model", "cell"), title=lambda res: f"Generality: `{res.study}`",
+         note="`python bench/studies/generality.py`: per zoo family and configuration (case = model/cell), the "
+              "measured peak of the third step, fxmem's predicted peak, graphs per step, equal to eager."),
     Spec("dpsgd-parity", ("world", "step"), tables=(Table("main", (
         Column("ranks", "world", "d"), Column("step", "step", "d"), Column("batch", "batch", "d"),
         Column("loss", "loss", ".3f"), Column("epsilon", "epsilon", ".3f"), Column("step s", "step_s", ".1f"),
@@ -627,6 +630,7 @@ PATTERNS = (
     ("budget-time-*", "interleaved"),
     ("eager-time-*", "interleaved"),
     ("zoo-*", "zoo"),
+    ("generality-*", "generality"),
     ("realistic-*", "run"),
     ("planner-*", "run"),
     ("lowering", "run"),

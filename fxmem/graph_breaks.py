@@ -58,7 +58,7 @@ def _trace_time_output_hooks() -> None:
             sys.meta_path.insert(0, _AfterImport())
         return
     original = getattr(capturing, "maybe_install_capturing_hooks", None)
-    if original is None or original in _STAND_INS:
+    if original is None or getattr(original, _MARK, False):
         return
 
     @torch._dynamo.assume_constant_result
@@ -70,10 +70,10 @@ def _trace_time_output_hooks() -> None:
         install_now(model)
 
     torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(stand_in)
-    _STAND_INS.add(original)
+    setattr(original, _MARK, True)
 
 
-_STAND_INS: set = set()  # the functions given a stand-in: Dynamo refuses a second registration
+_MARK = "__fxmem_stand_in__"  # set on a function given a stand-in: Dynamo refuses a second registration
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
