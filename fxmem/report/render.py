@@ -35,6 +35,7 @@ def _short(config: str, width: int = 64) -> str:
 
 
 LEVEL0_USED = "using level 0's plan"  # the planner's note when a level's plan does not lower the peak
+LEAST_PEAK_USED = "using the plan of least simulated peak"  # ... and another plan peaks lower
 
 
 def summary(g: GraphReport) -> list[str]:
@@ -43,8 +44,9 @@ def summary(g: GraphReport) -> list[str]:
     from .modules import holders
 
     where = f" (compile {g.compile_id})" if g.compile_id else ""
-    fallback = next((n for n in g.notes if LEVEL0_USED in n), None)
-    used = (f"level 0's plan used ({fallback.split(':', 1)[-1].split(';')[0].strip()})"
+    fallback = next((n for n in g.notes if LEVEL0_USED in n or LEAST_PEAK_USED in n), None)
+    which = "level 0's plan" if fallback and LEVEL0_USED in fallback else "the least-peak plan"
+    used = (f"{which} used ({fallback.split(':', 1)[-1].split(';')[0].strip()})"
             if fallback and g.level > 0 else "used as asked")
     b = g.peak_breakdown()
     peak = b["peak"]
