@@ -12,6 +12,7 @@ import torch
 
 import fxmem
 from fxmem.models import build
+from fxmem.report.render import LEAST_PEAK_USED, LEVEL0_USED
 from fxmem.profiling import step_perf
 
 SMALL = dict(layers=2, vocab=4096, d=64, heads=2)  # logits matter, as in real LMs
@@ -267,6 +268,8 @@ def test_gpt2_report_names_its_modules_and_says_which_plan_it_used():
     modules = {m for m, _, _ in g.modules}
     assert {"transformer.h.0.attn", "transformer.h.1.attn", "lm_head"} <= modules
     assert "transformer.h.*.attn" in str(rep) and "transformer.h.*.mlp" in str(rep)
-    fell_back = any("using level 0's plan" in n for n in g.notes)
+    level0 = any(LEVEL0_USED in n for n in g.notes)
+    fell_back = level0 or any(LEAST_PEAK_USED in n for n in g.notes)
     assert lines[0].endswith("used as asked") != fell_back
-    assert ("level 0's plan used" in lines[0]) == fell_back
+    assert ("level 0's plan used" in lines[0]) == level0
+    assert ("the least-peak plan used" in lines[0]) == (fell_back and not level0)
