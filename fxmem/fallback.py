@@ -13,7 +13,7 @@ import logging
 from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
 from .options import OptionError
-from .warn import warn
+from .warn import brief, warn
 
 # The user's errors, and Dynamo's control flow (it restarts or skips a frame by raising).
 _NOT_FAILURES = (OptionError, RestartAnalysis, SkipFrame)
@@ -40,4 +40,6 @@ def stage_failed(stage: str, error: BaseException, options) -> None:
     msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {reason}); {_INSTEAD.get(stage, _SAFE_PLAN)}. "
            "Pass options={'strict': True} to raise instead.")
     log.warning("%s", msg)
-    warn(msg, RuntimeWarning)
+    instead = "the compile goes on without this graph's report" if stage == "report" else "falling back to a safe plan"
+    warn(f"fxmem: stage {stage!r} failed ({type(error).__name__}: {brief(reason, 60)}); {instead} "
+         "(strict=True raises)", RuntimeWarning)

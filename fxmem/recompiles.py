@@ -55,9 +55,8 @@ class _Watch(logging.Filter):
         name = record.args[0] if isinstance(record.args, tuple) and record.args else "recompile_limit"
         filename, lineno = user_line(sys._getframe()) or (code.co_filename, code.co_firstlineno)
         warnings.warn_explicit(
-            f"fxmem: Dynamo's {name} ({limit}) was reached: this compiled call now runs eagerly, without fxmem's "
-            f"savings. Compile with dynamic=True for changing shapes, raise torch._dynamo.config.{name}, or call "
-            "torch._dynamo.reset() between option sets.", RecompileLimitWarning, filename, lineno)
+            f"fxmem: Dynamo's {name} ({limit}) was reached: this call now runs eagerly, without fxmem. Use "
+            f"dynamic=True or raise torch._dynamo.config.{name}", RecompileLimitWarning, filename, lineno)
 
 
 def _compiling(frame: FrameType | None, fxmem_backend: Callable | None) -> tuple[CodeType, int] | None:

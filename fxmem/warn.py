@@ -1,8 +1,10 @@
-"""fxmem's warnings, pointed at the user's line.
+"""fxmem's warnings, pointed at the user's line, and short.
 
 A warning raised while Dynamo compiles would name a line inside fxmem or torch
 (``fxmem/remat/plan.py:163``); the user's line is the call that made the compile happen, the
-innermost frame outside torch, fxmem and the standard library's ``logging``.
+innermost frame outside torch, fxmem and the standard library's ``logging``. A warning says what
+happened and what to do in at most :data:`MAX_CHARS` characters; the details go to the report's
+notes (the caller adds them) and to the ``fxmem`` log at INFO (``TORCH_LOGS=fxmem``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,24 @@ def user_line(frame: FrameType | None = None) -> tuple[str, int] | None:
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` at the user's line: its filters and once-per-location rule apply there."""
+MAX_CHARS = 150  # a warning's length; its details are in the report and the log
+
+log = logging.getLogger("fxmem")
+
+
+def brief(message: str, limit: int = MAX_CHARS) -> str:
+    """``message`` cut to ``limit`` characters at a word (a safety net: callers write short ones)."""
+    if len(message) <= limit:
+        return message
+    return message[: limit - 1].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+
+
+def warn(message: str, category: type[Warning] = UserWarning, detail: str | None = None) -> None:
+    """``warnings.warn`` at the user's line (its filters and once-per-location rule apply there),
+    ``message`` at most :data:`MAX_CHARS` long; ``detail`` (the whole story) logged at INFO."""
+    if detail:
+        log.info("%s", detail)
     frame, level = sys._getframe(1), 2
     while frame is not None and not _outside(frame):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+    warnings.warn(brief(message), category, stacklevel=level if frame is not None else 2)

@@ -2,6 +2,7 @@
 test/functorch/test_ac.py: a chain of matmuls, and matmuls of unequal cost)."""
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -64,8 +65,10 @@ def test_matmul_chain_saves_at_most_the_budget_recomputing_one_matmul_per_unit_b
         msgs = [str(r.message) for r in record if "memory_budget" in str(r.message)]
         assert len(msgs) == (k == 0), msgs
         if k == 0:
-            assert "is met only by plans that peak higher than a higher budget's: simulated peak 720900 bytes " \
-                   "against 524288" in msgs[0]
+            assert msgs[0] == "fxmem memory_budget=0 is met only at a higher peak (720,900 bytes, not 524,288); " \
+                              "memory_budget=0.0 asks for the least peak"
+            assert any("is met only by plans that peak higher than a higher budget's: simulated peak 720900 bytes "
+                       "against 524288" in n for n in _graph(fn).plan.notes)
         graph = _graph(fn)
         assert graph.plan.saved_bytes == k * UNIT
         assert _recomputed_mm(graph) == [(U, U)] * (5 - k)
@@ -115,9 +118,12 @@ def test_cap_below_every_plan_warns_once_and_takes_the_least_peak():
     msgs = [str(r.message) for r in record if "memory_budget" in str(r.message)]
     assert len(msgs) == 1, msgs
     plan = _graph(fn).plan
-    assert msgs[0].startswith("option 'memory_budget': 1e-06 (0 bytes of saved activations) is infeasible; the "
-                              "smallest feasible budget is ")
-    assert f"; using the plan of least simulated peak instead: {plan.saved_bytes} bytes saved, " in msgs[0]
+    assert msgs[0].startswith("fxmem memory_budget=1e-06 is infeasible (the least is ")
+    assert re.search(r"; using the least-peak plan \([\d,]+ bytes; strict=True raises\)$", msgs[0]), msgs[0]
+    (note,) = [n for n in plan.notes if "is infeasible" in n]  # the details: in the report
+    assert note.startswith("option 'memory_budget': 1e-06 (0 bytes of saved activations) is infeasible; the "
+                           "smallest feasible budget is ")
+    assert f"; using the plan of least simulated peak instead: {plan.saved_bytes} bytes saved, " in note
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # fraction 0 asks for that plan: no warning
         fn0 = _compile(copy.deepcopy(w.model), 0.0, lowering=False)
@@ -217,8 +223,8 @@ def test_peak_budget_takes_the_cheapest_plan_that_fits_and_warns_when_none_does(
     assert peak <= cap * 1.03, (peak, cap)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
-    with pytest.warns(UserWarning, match=r"option 'peak_budget': 1 bytes is below every plan's simulated step "
-                                         r"peak; the least is \d+ bytes among \d+ candidate plans"):
+    with pytest.warns(UserWarning, match=r"fxmem peak_budget=1 bytes is below every plan's step peak; using the "
+                                         r"least-peak plan \([\d,]+ bytes; strict=True raises\)"):
         _, grads, _ = _measured(w, {"peak_budget": 1})
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)

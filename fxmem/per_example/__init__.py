@@ -63,7 +63,7 @@ def compile_chunked(gm: fx.GraphModule, example_inputs: list, options, compile_c
         if whole_batch:
             log.debug("fxmem per-example: no ghost clipping for this graph: %s", e)
         else:
-            warn(f"fxmem per-example: not chunking this graph: {e}")
+            warn(f"fxmem per-example: not chunking this graph: {e}", detail=str(e))
         return None
     return ChunkedStep(parts, plan, compile_chunk)
 

@@ -255,7 +255,8 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
     if settings.peak_budget is not None:
         chosen, what = _cheapest_under(scored, settings.peak_budget), f"peak budget {settings.peak_budget} bytes"
         if chosen is None:
-            _unmet(settings, f"option 'peak_budget': {settings.peak_budget!r} bytes is below every plan's simulated "
+            _unmet(settings, f"fxmem peak_budget={settings.peak_budget:,} bytes is below every plan's step peak",
+                   f"option 'peak_budget': {settings.peak_budget!r} bytes is below every plan's simulated "
                             f"step peak; the least is {lowest.peak} bytes among {how}", lowest, notes)
     else:
         chosen, ceiling = _choose(scored, cap)
@@ -267,7 +268,8 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
         elif chosen is None or isinstance(budget, float) and chosen.peak > ceiling * (1 + SLACK):
             # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
             # peak) only plans that peak higher than a higher fraction's
-            _unmet(settings, f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
+            _unmet(settings, f"fxmem memory_budget={budget!r} is infeasible (the least is {met:,} bytes)",
+                   f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
                             f"the smallest feasible budget is {met} bytes ({met / max(level_bytes, 1):.3f} of "
                             f"level {settings.level}'s {level_bytes}) among {how}"
                             + ("" if chosen is None else
@@ -279,7 +281,8 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
                    f"peak higher than a higher budget's: simulated peak {chosen.peak} bytes against {ceiling} (every "
                    f"plan that saves fewer bytes recomputes more values alive at the peak); memory_budget=0.0 or "
                    f"peak_budget asks for the least peak")
-            warn(msg)
+            warn(f"fxmem memory_budget={budget!r} is met only at a higher peak ({chosen.peak:,} bytes, not "
+                 f"{ceiling:,}); memory_budget=0.0 asks for the least peak", detail=msg)
             notes.append(msg)
     chosen = chosen or lowest
     notes.append(f"{what}: saved {chosen.nbytes} bytes (level {settings.level} alone: {level_bytes}), simulated peak "
@@ -293,14 +296,14 @@ def _least_peak(c: Candidate) -> tuple:
     return c.peak, c.nbytes, c.cost
 
 
-def _unmet(settings: PlanSettings, msg: str, lowest: Candidate, notes: list[str]) -> None:
-    """A cap no plan meets: :class:`BudgetError` under ``strict``, else one warning (the plan of
-    least simulated peak is used)."""
+def _unmet(settings: PlanSettings, short: str, msg: str, lowest: Candidate, notes: list[str]) -> None:
+    """A cap no plan meets: :class:`BudgetError` under ``strict`` (``msg``), else one warning
+    (``short``; ``msg`` in the notes): the plan of least simulated peak is used."""
     if settings.strict:
         raise BudgetError(msg)
     msg += (f"; using the plan of least simulated peak instead: {lowest.nbytes} bytes saved, simulated peak "
             f"{lowest.peak} bytes (strict=True raises)")
-    warn(msg)
+    warn(f"{short}; using the least-peak plan ({lowest.peak:,} bytes; strict=True raises)", detail=msg)
     notes.append(msg)
 
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
-from ..warn import warn
+from ..warn import brief, warn
 from .allowlist import CHEAP, HEAVY, kind
 from .budget import least_peak, within_budget
 from .clusters import Cluster
@@ -90,7 +90,8 @@ def _apply_rules(settings: PlanSettings, clusters: list[Cluster], recomputable: 
         matching = [c for c in clusters if c.id == rule.cluster]
         if not matching:
             msg = f"rule {rule}: cluster {rule.cluster!r} matches nothing; clusters in this graph: {', '.join(ids)}"
-            warn(msg)
+            warn(f"fxmem: rule {brief(str(rule), 60)} matches no cluster of this graph (fxmem.report lists them)",
+                 detail=msg)
             notes.append(msg)
             continue
         chosen = matching if rule.count == -1 else matching[: rule.count]
@@ -130,7 +131,8 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
         saved = solve(problem(frozenset(recomputable)), lam)
     except NoPlan as e:  # e.g. a rule or tag asks to recompute what cannot be: keep those instead
         msg = f"fxmem: the requested recomputation is impossible ({e}); those values are kept instead"
-        warn(msg)
+        warn("fxmem: a rule or tag asks to recompute values that cannot be; they are kept (see fxmem.report)",
+             detail=msg)
         notes.append(msg)
         no_save.clear()
         saved = solve(problem(frozenset(recomputable)), lam)

@@ -74,6 +74,7 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
     import torch
 
     from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
+    from ..warn import brief, log
 
     ignore_once_warnings()
     breaks = break_count()
@@ -86,8 +87,9 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
     loss.backward()
     reasons = breaks_since(breaks)
     if reasons:
-        warnings.warn(f"fxmem.explain: graph breaks split the step into graphs planned one by one: "
-                      f"{'; '.join(reasons)}", RuntimeWarning, stacklevel=2)
+        log.info("fxmem.explain: graph breaks: %s", "; ".join(reasons))
+        warnings.warn(brief(f"fxmem.explain: {len(reasons)} graph break(s) split the step into graphs planned one "
+                            f"by one: {reasons[0]}"), RuntimeWarning, stacklevel=2)
     comps = compilations(compiled)  # a second model of a compiled class may find every cached graph:
     ran = [c for c in comps if c.called_ns >= started]  # keep those this step ran
     return _report(ran or comps, compiled)
