@@ -77,24 +77,22 @@ def decide(gm: fx.GraphModule, example_inputs: list[Any], options: Options, sett
 
 
 def trial(gm: fx.GraphModule, example_inputs: list[Any], settings: PlanSettings) -> Trial | None:
-    """``gm`` compiled (eager inner compiler) and planned; None when there is no plan to compare
-    (planning failed: strict here, so that the real compile alone reports a failure, once; an
-    unmet budget is compared at the plan the compile falls back to)."""
-    def planned(strict: bool) -> Trial:
-        partitioner = Partitioner(replace(settings, strict=strict))
+    """``gm`` compiled (eager inner compiler) and planned, in one AOT trace; None when there is no
+    plan to compare: a stage failed (it raises here, so that the real compile alone applies the
+    failure policy and warns, once), or a budget is unmet under ``strict`` (the real compile
+    raises). Without ``strict`` an unmet budget is compared at the plan the compile falls back to
+    (the least peak)."""
+    partitioner = Partitioner(settings, compare=True)
+    try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled = inner.compile_joint(gm, example_inputs, "eager", partitioner)
-        peaks = [g.peak() for g in partitioner.planned]
-        return Trial(compiled, partitioner.planned, caught, max(peaks) if peaks else None)
-
-    try:
-        try:
-            return planned(strict=True)
-        except BudgetError:  # unmet: compare the plans the real compile falls back to (least peak)
-            return planned(strict=False) if not settings.strict else None
+    except BudgetError:
+        return None
     except Exception as e:  # noqa: BLE001 - no comparison; the real compile applies the failure policy
         if not is_failure(e):  # Dynamo's control flow (e.g. a restart to specialize a float) or the user's error
             raise
         log.debug("fxmem lowering: could not plan a graph to compare peaks (%s: %s)", type(e).__name__, e)
         return None
+    peaks = [g.peak() for g in partitioner.planned]
+    return Trial(compiled, partitioner.planned, caught, max(peaks) if peaks else None)

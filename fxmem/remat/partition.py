@@ -67,8 +67,9 @@ class Partitioner(CustomPartitionerFn):
     builds their reports and files them on the compile's record.
     """
 
-    def __init__(self, settings: PlanSettings | Options):
+    def __init__(self, settings: PlanSettings | Options, compare: bool = False):
         self.settings = settings if isinstance(settings, PlanSettings) else PlanSettings.of(settings)
+        self.compare = compare  # planning only to compare peaks: a stage failure raises (no safe plan)
         self.planned: list[PlannedGraph] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
@@ -78,6 +79,8 @@ class Partitioner(CustomPartitionerFn):
             sizes = SymbolicSizes.of(gm, settings.plan_shape)
             chosen = plan(PlanContext.of(joint, sizes, settings.target), settings)
         except Exception as e:  # noqa: BLE001 - the failure policy decides
+            if self.compare:
+                raise
             stage_failed("plan", e, settings)
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
@@ -85,6 +88,8 @@ class Partitioner(CustomPartitionerFn):
         try:
             result = split(joint, chosen.saved)
         except Exception as e:  # noqa: BLE001
+            if self.compare:
+                raise
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem split: %d values saved, %d recomputed in the backward",
