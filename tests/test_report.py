@@ -12,8 +12,8 @@ import torch
 
 import fxmem
 from fxmem.models import build
-from fxmem.report.render import LEAST_PEAK_USED, LEVEL0_USED
 from fxmem.profiling import step_perf
+from fxmem.report.render import LEAST_PEAK_USED, LEVEL0_USED
 
 SMALL = dict(layers=2, vocab=4096, d=64, heads=2)  # logits matter, as in real LMs
 
