@@ -50,9 +50,6 @@ class Compilation:
     created_ns: int = field(default_factory=time.monotonic_ns)
     called_ns: int = 0  # when its compiled step last ran (fxmem.explain takes the graphs its step ran)
 
-    def __post_init__(self) -> None:
-        _LIVE.add(self)
-
     def __repr__(self) -> str:
         chunked = f", chunk_plan={self.chunk_plan.summary()}" if self.chunk_plan is not None else ""
         return (f"Compilation(compile_id={self.compile_id}, level={self.options.level}, "
@@ -77,6 +74,7 @@ class Compiled:
 
     def __init__(self, fn: Callable, compilation: Compilation):
         self.fn, self.compilation = fn, compilation
+        _LIVE.add(compilation)  # live once returned: a compile Dynamo restarts leaves no record
 
     def __call__(self, *args: Any) -> Any:
         self.compilation.called_ns = time.monotonic_ns()

@@ -18,6 +18,12 @@ import torch.fx as fx
 from .regions import Region, Unsupported
 
 
+def _op(node: fx.Node) -> str:
+    """A node as an error names it: its name and its op, not the whole node."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{node.name!r} ({target})"
+
+
 @dataclass(frozen=True)
 class Batched:
     dim: int            # where the batch runs in this value
@@ -109,25 +115,25 @@ class Epilogue:
         kinds = [self.kinds.get(a, OUTER) for a in arg_nodes((node.args, node.kwargs))]
         if any(a in self.region.nodes and a not in self.region.outputs
                for a in arg_nodes((node.args, node.kwargs))):
-            raise Unsupported(f"{node.format_node()} reads a value from inside the vmap region")
+            raise Unsupported(f"{_op(node)} reads a value from inside the vmap region")
         batched = [k for k in kinds if isinstance(k, Batched)]
         if not batched:
             return REDUCED if REDUCED in kinds else OUTER
         if REDUCED in kinds:
-            raise Unsupported(f"{node.format_node()} mixes per-example values with a batch sum "
+            raise Unsupported(f"{_op(node)} mixes per-example values with a batch sum "
                               "(it needs the whole batch at once)")
         kind, name = _kind_of(node)
         rule = {"pointwise": self._pointwise, "reduce": self._reduce, "cat": self._cat,
                 "view": self._view}.get(kind)
         if rule is None:
-            raise Unsupported(f"cannot prove that {node.format_node()} acts on each example "
+            raise Unsupported(f"cannot prove that {_op(node)} acts on each example "
                               "independently")
         return rule(node, name) if kind == "reduce" else rule(node)
 
     def _pointwise(self, node: fx.Node):
         out = _shape(node)
         if out is None:
-            raise Unsupported(f"no shape known for {node.format_node()}")
+            raise Unsupported(f"no shape known for {_op(node)}")
         dims = set()
         for a in arg_nodes((node.args, node.kwargs)):
             shape, kind = _shape(a), self.kinds.get(a, OUTER)
@@ -140,7 +146,7 @@ class Epilogue:
                 dims.add(None)  # checked below, once the batch dim is known
         batch_dims = {d for d in dims if d is not None}
         if len(batch_dims) != 1:
-            raise Unsupported(f"{node.format_node()} combines per-example values whose batch dims "
+            raise Unsupported(f"{_op(node)} combines per-example values whose batch dims "
                               "do not line up")
         (d,) = batch_dims
         for a in arg_nodes((node.args, node.kwargs)):
@@ -149,7 +155,7 @@ class Epilogue:
                 continue
             pos = d - (len(out) - len(shape))
             if pos >= 0 and shape[pos] != 1:
-                raise Unsupported(f"{node.format_node()} broadcasts {a.name} across the batch dim")
+                raise Unsupported(f"{_op(node)} broadcasts {a.name} across the batch dim")
         return Batched(d)
 
     def _reduce(self, node: fx.Node, name: str):
@@ -166,11 +172,11 @@ class Epilogue:
         else:
             dims = {x % len(shape) for x in (dim if isinstance(dim, (tuple, list)) else (dim,))}
         if any(not isinstance(x, int) for x in dims):
-            raise Unsupported(f"{node.format_node()}: reduction dims are not constants")
+            raise Unsupported(f"{_op(node)}: reduction dims are not constants")
         if d not in dims:
             return Batched(d if keepdim else d - sum(1 for x in dims if x < d))
         if name != "sum":
-            raise Unsupported(f"{node.format_node()} takes a {name} over the batch; only a sum over "
+            raise Unsupported(f"{_op(node)} takes a {name} over the batch; only a sum over "
                               "the batch can be accumulated chunk by chunk")
         self.partials.append(node)
         return REDUCED
@@ -180,16 +186,16 @@ class Epilogue:
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
         kinds = {self.kinds.get(t, OUTER) for t in tensors}
         if len(kinds) != 1 or not isinstance(next(iter(kinds)), Batched):
-            raise Unsupported(f"{node.format_node()} concatenates per-example and other values")
+            raise Unsupported(f"{_op(node)} concatenates per-example and other values")
         d = next(iter(kinds)).dim
         if dim % len(_shape(tensors[0])) == d:
-            raise Unsupported(f"{node.format_node()} concatenates along the batch dim")
+            raise Unsupported(f"{_op(node)} concatenates along the batch dim")
         return Batched(d)
 
     def _view(self, node: fx.Node):
         src = node.args[0]
         if self.kinds[src] != Batched(0):
-            raise Unsupported(f"{node.format_node()} reshapes a value whose batch dim is not leading")
+            raise Unsupported(f"{_op(node)} reshapes a value whose batch dim is not leading")
         out = _shape(node)
         B = self.region.batch_size
         shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) \
@@ -197,7 +203,7 @@ class Epilogue:
         shape = node.kwargs.get("shape", shape)
         if out is None or not out or not _is_batch(out[0], B) or not shape or not (
                 shape[0] is B or shape[0] == -1 or _is_batch(shape[0], B)):
-            raise Unsupported(f"{node.format_node()} does not keep the batch as its leading dim")
+            raise Unsupported(f"{_op(node)} does not keep the batch as its leading dim")
         # Rows of a row-major reshape with B leading rows are exactly the examples.
         if shape[0] is B or (shape[0] != -1 and _is_batch(shape[0], B)):
             self.batch_shape_args.append(node)

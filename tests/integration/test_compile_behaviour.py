@@ -141,8 +141,8 @@ def test_cache_key_has_version_source_and_options(monkeypatch):
     # once the partitioner holds plans (fx graphs are cyclic), or every compile bypasses the cache
     made = []
 
-    def spy(options):
-        made.append(partition.Partitioner(options))
+    def spy(options, **kwargs):
+        made.append(partition.Partitioner(options, **kwargs))
         return made[-1]
 
     for module in (fxmem.backend, fxmem.lowering.decide):  # the compile, the lowering's trial
