@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import numbers
 import types
-import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -38,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
 from ..per_example import microbatch
-from ..warn import brief, log
+from ..warn import warn
 
 __all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
 
@@ -273,9 +272,8 @@ class ClippedGradFn:
             why = (self.plans[-1].reason if self.plans and self.plans[-1].reason else
                    "no whole vmap(grad) region reached fxmem's backend (graph breaks: "
                    f"{'; '.join(breaks_since(breaks)) or 'none counted; was the step served by a cache?'})")
-            log.info("fxmem clipped_grad: the step runs unchunked: %s", why)
-            warnings.warn(brief(f"fxmem clipped_grad: microbatch_size={self.microbatch_size!r} was asked for, but "
-                                f"the step runs unchunked: {why}"), RuntimeWarning, stacklevel=2)
+            warn(f"fxmem clipped_grad: microbatch_size={self.microbatch_size!r} was asked for, but the step runs "
+                 f"unchunked: {why}", RuntimeWarning, detail=f"fxmem clipped_grad: the step runs unchunked: {why}")
         if not self.return_norms and not self.return_losses:
             return out[0]
         return out

@@ -69,12 +69,11 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
     """Compile ``model`` with fxmem (``dynamic=True``), run one training step, return its report.
     Warns when graph breaks split the step (each piece is planned on its own)."""
     import time
-    import warnings
 
     import torch
 
     from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
-    from ..warn import brief, log
+    from ..warn import warn
 
     ignore_once_warnings()
     breaks = break_count()
@@ -87,9 +86,8 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
     loss.backward()
     reasons = breaks_since(breaks)
     if reasons:
-        log.info("fxmem.explain: graph breaks: %s", "; ".join(reasons))
-        warnings.warn(brief(f"fxmem.explain: {len(reasons)} graph break(s) split the step into graphs planned one "
-                            f"by one: {reasons[0]}"), RuntimeWarning, stacklevel=2)
+        warn(f"fxmem.explain: {len(reasons)} graph break(s) split the step into graphs planned one by one: "
+             f"{reasons[0]}", RuntimeWarning, detail=f"fxmem.explain: graph breaks: {'; '.join(reasons)}")
     comps = compilations(compiled)  # a second model of a compiled class may find every cached graph:
     ran = [c for c in comps if c.called_ns >= started]  # keep those this step ran
     return _report(ran or comps, compiled)
