@@ -56,13 +56,9 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
         return Compiled(chunked, comp)
     try:
         with _stage("lowering"):
-            decision = decide(gm, example_inputs, opts, settings)                 # lowering (decided)
+            decision = decide(gm, example_inputs, opts)                           # lowering (decided)
         with _stage(f"compile (AOT trace, plan, split, {opts.inner} inner compiler)"):
-            if decision.trial is not None:  # the decision's trial is this compile (eager inner compiler)
-                compiled, planned, lowered = decision.trial.compiled, decision.trial.planned, decision.lowering
-                decision.trial.warn()
-            else:
-                compiled, planned, lowered = _compile(gm, decision, example_inputs, opts.inner, settings)  # AOT..
+            compiled, planned, lowered = _compile(gm, decision, example_inputs, opts.inner, settings)  # AOT..
     except Exception as e:  # noqa: BLE001 - the failure policy decides
         stage_failed("compile", e, opts)
         return Compiled(inner.compile_safe(gm, example_inputs), comp)  # the graph as Dynamo gave it: no lowering
@@ -73,13 +69,13 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
 
 def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], inner_name: str,
              settings: PlanSettings) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
-    """AOTAutograd with fxmem's partitioner (sizes, plan, split), then the inner compiler, on the
-    decided graph; where that fails (e.g. a fused kernel's backward differentiated again), on the
-    unlowered graph, with the report saying why."""
-    partitioner = Partitioner(settings)
+    """AOTAutograd with fxmem's partitioner (sizes, plan, split; the compared matches decided
+    there), then the inner compiler, on the decided graph; where that fails (e.g. a fused kernel's
+    backward differentiated again), on the unlowered graph, with the report saying why."""
+    partitioner = Partitioner(settings, decision.compared)
     try:
-        return inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner), partitioner.planned, \
-            decision.lowering
+        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner)
+        return compiled, partitioner.planned, decision.outcome(partitioner.declined)
     except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
         if decision.gm is gm or not is_failure(e):
             raise

@@ -2,7 +2,6 @@
 model, reports for a second model of a class, readable names for positional inputs."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import subprocess
 import sys
@@ -170,19 +169,18 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
     alone (forced here: the planner's estimate of the first is doubled), the unproven matches
     (the cross-entropy, SwiGLU) are not applied, the notes say why, and the measured peak is that
     of a compile without them."""
-    import fxmem.lowering.decide as decide
+    import fxmem.remat.partition as partition
 
     torch._dynamo.reset()
     ids = torch.randint(0, 256, (2, 64))  # ratio 1.33: the fused loss is compared, not proven or futile
     off, _ = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY}, ids)
-    planned, calls = decide.trial, []
+    planned, calls = partition.candidate_peak, []
 
-    def lowered_peaks_higher(gm, example_inputs, settings):  # decide() plans the fully lowered graph first
-        calls.append(gm)
-        trial = planned(gm, example_inputs, settings)
-        return dataclasses.replace(trial, peak=trial.peak * 2) if len(calls) % 2 == 1 and trial.peak else trial
+    def lowered_peaks_higher(candidate):  # the partitioner plans the fully lowered graph first
+        calls.append(candidate)
+        return planned(candidate) * (2 if len(calls) % 2 == 1 else 1)
 
-    monkeypatch.setattr(decide, "trial", lowered_peaks_higher)
+    monkeypatch.setattr(partition, "candidate_peak", lowered_peaks_higher)
     torch._dynamo.reset()
     declined, report = _measured(_tied_llama(), {"level": 1, "lowering": True}, ids)
     assert len(calls) == 2
@@ -195,13 +193,13 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
 
 def test_proven_matches_alone_are_applied_without_comparing_plans(monkeypatch):
     """The norms never raise the planned peak (tests/test_lowering_proven.py): with only those
-    enabled, the backend plans the graph once (no comparison trial)."""
-    import fxmem.lowering.decide as decide
+    enabled, the backend plans the graph once (no comparison)."""
+    import fxmem.remat.partition as partition
 
-    def no_trial(*args):
+    def no_comparison(*args):
         raise AssertionError("a proven lowering was compared")
 
-    monkeypatch.setattr(decide, "trial", no_trial)
+    monkeypatch.setattr(partition, "compare", no_comparison)
     torch._dynamo.reset()
     _, report = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY}, torch.randint(0, 256, (2, 32)))
     assert {r.pattern for r in report.lowerings} == {"rms_norm"}
@@ -212,17 +210,17 @@ def test_default_lowering_decides_the_loss_and_swiglu_without_comparing_plans(mo
     """Default options: the fused loss at a logits-to-gradients ratio from ``CE_PROVEN_FROM`` on
     is applied and SwiGLU (it never changed the planned peak) left alone, both without a
     comparison; named in ``lowering``, SwiGLU is compared (and declined: a tie)."""
-    import fxmem.lowering.decide as decide
+    import fxmem.remat.partition as partition
     from fxmem.lowering.patterns import GLU_FUTILE
 
     ids = torch.randint(0, 256, (2, 256))  # ratio 512 * 256 / (768 * 64) = 2.67
-    planned, calls = decide.trial, []
+    planned, calls = partition.candidate_peak, []
 
-    def counted(*args):
-        calls.append(args)
-        return planned(*args)
+    def counted(candidate):
+        calls.append(candidate)
+        return planned(candidate)
 
-    monkeypatch.setattr(decide, "trial", counted)
+    monkeypatch.setattr(partition, "candidate_peak", counted)
     torch._dynamo.reset()
     _, report = _measured(_tied_llama(), {"level": 1}, ids)
     assert calls == []

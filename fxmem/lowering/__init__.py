@@ -67,13 +67,14 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from . import amp
+from . import amp, splice
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
 
 __all__ = ["PATTERNS", "Pattern", "Lowered", "Lowering", "lower", "enabled"]
 
 log = logging.getLogger("fxmem")
+UNCOMPARED = "not applied: its plan could not be compared (the ops it replaces read a value that is not a tensor)"
 _KEEP_META = ("example_value", "stack_trace", "nn_module_stack")
 
 
@@ -94,6 +95,7 @@ class Lowering:
     alone (with why)."""
     lowered: list[Lowered] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (pattern, node, reason)
+    regions: list = field(default_factory=list, repr=False)  # splice.Region: the marked compared matches
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -118,13 +120,16 @@ class Lowering:
 
 
 def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str, bool],
-          proven_only: bool = False, decline_futile: bool = False) -> tuple[fx.GraphModule, Lowering]:
+          proven_only: bool = False, decline_futile: bool = False,
+          compare: bool = False) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
     as it is, for a fallback compile), and what was done. ``lowering`` (the option): True (all),
     False (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
     matches that never raise the planned peak (:attr:`patterns.Match.proven`);
     ``decline_futile``: matches that cannot lower it (:attr:`patterns.Match.futile`) are left
-    alone, with that reason, unless ``lowering`` asks for their pattern by name (or is True)."""
+    alone, with that reason, unless ``lowering`` asks for their pattern by name (or is True);
+    ``compare``: the matches neither proven nor futile are marked for the partitioner's
+    comparison (:mod:`.splice`; their regions in ``Lowering.regions``)."""
     result = Lowering()
     patterns = enabled(lowering)
     if not patterns:
@@ -137,6 +142,7 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
     original, gm = gm, _copy(gm)
     graph = gm.graph
     erased: set[fx.Node] = set()
+    order = {n: i for i, n in enumerate(graph.nodes)} if compare else {}
     for pattern in patterns:
         ctx = Context.of(graph)
         for node in list(graph.nodes):
@@ -152,7 +158,14 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
             elif isinstance(found, Match) and (found.proven or not proven_only):
-                result.lowered.append(_apply(graph, found, ctx, erased))
+                region = None
+                if compare and not found.proven:
+                    if not splice.markable(found):
+                        result.skipped.append((found.pattern, found.output.name, UNCOMPARED))
+                        continue
+                    region = len(result.regions)
+                result.lowered.append(_apply(graph, found, ctx, erased, region, result.regions))
+    splice.locate(result.regions, graph, order)
     if not result.lowered:
         gm = original
     else:
@@ -181,20 +194,32 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set) -> Lowered:
+def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set, region_id: int | None = None,
+           regions: list | None = None) -> Lowered:
+    """Replace ``m`` by its fused call; ``region_id``: mark it for comparison (:mod:`.splice`)."""
     region = ctx.region.get(m.output)
     batch = region[0] if region is not None and isinstance(region[0], int) else 1
     saved = bytes_saved(m.nodes, m.output, m.call, m.args, m.kwargs, batch, ctx.autocast.get(m.output))
+    through = lambda a: a  # noqa: E731
+    if region_id is not None:
+        compared, inputs, outputs = splice.extract(m, region_id, ctx.autocast.get(m.output, {}))
+        regions.append(compared)
+        marks = splice.mark(graph, compared, inputs)
+        through = lambda a: fx.map_arg(a, lambda x: marks.get(x, x))  # noqa: E731
     with graph.inserting_before(m.output):
-        new = graph.call_function(m.call, m.args, m.kwargs)
+        new = graph.call_function(m.call, through(m.args), through(m.kwargs))
     new.meta.update({k: m.output.meta[k] for k in _KEEP_META if k in m.output.meta})
     name = m.output.name
     m.output.replace_all_uses_with(new)
+    replaced = [new]
     for n, call, args, kwargs in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
         with graph.inserting_before(n):
-            kept = graph.call_function(call, args, kwargs)
+            kept = graph.call_function(call, through(args), through(kwargs))
         kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
         n.replace_all_uses_with(kept)
+        replaced.append(kept)
+    if region_id is not None:
+        splice.mark_outputs(graph, regions[region_id], replaced)
     for n in reversed(m.nodes):
         if not n.users:
             graph.erase_node(n)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,9 @@ from ..fallback import stage_failed
 from ..graph.joint import JointGraph
 from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
+from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
+from .budget import BudgetError
 from .compromise import pack_masks
 from .context import PlanContext
 from .plan import Plan, plan
@@ -58,6 +61,72 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings
     return joint
 
 
+def _planned(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings):
+    """Stages joint graph, sizes, plan: (joint, sizes, plan, its simulated step peak or None)."""
+    joint = joint_graph(gm, num_fwd_outputs, settings)
+    sizes = SymbolicSizes.of(gm, settings.plan_shape)
+    ctx = PlanContext.of(joint, sizes, settings.target)
+    chosen = plan(ctx, settings)
+    return joint, sizes, chosen, ctx
+
+
+def _attempt(gm: fx.GraphModule | None, num_fwd_outputs: int, settings: PlanSettings) -> tuple[Any, list]:
+    """:func:`_planned` (or the exception it raised: a candidate that cannot be planned; None
+    without a graph) and the warnings it gave, held back: only the chosen candidate's are given."""
+    if gm is None:
+        return None, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _planned(gm, num_fwd_outputs, settings), caught
+        except Exception as e:  # noqa: BLE001 - the comparison decides
+            if isinstance(e, BudgetError) and settings.strict:
+                raise
+            return e, caught
+
+
+def candidate_peak(planned: tuple) -> int:
+    """The simulated step peak of a planned candidate (:func:`_planned`'s result)."""
+    _, _, chosen, ctx = planned
+    return ctx.peak(chosen.saved)
+
+
+def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, compared: Compared):
+    """The lowering's decision on a marked joint graph: planned with its compared regions fused
+    and unfused (:mod:`fxmem.lowering.splice`), the lower simulated peak kept (a tie goes to the
+    unfused ops: the fused kernels' own buffers are the estimate's least certain part).
+    ``(the chosen joint graph, its planned stages, why the fused regions were declined or None)``."""
+    try:
+        unfused = compared.unlowered(gm, settings.target)
+    except Exception as e:  # noqa: BLE001 - no comparison: the lowered graph alone
+        log.debug("fxmem lowering: no unlowered graph to compare (%s: %s)", type(e).__name__, e)
+        unfused = None
+    gm = compared.lowered(gm, settings.target)
+    (fused, fused_warned), (without, without_warned) = (_attempt(g, num_fwd_outputs, settings) for g in (gm, unfused))
+    chosen, why = _choose(fused, without)
+    for w in (without_warned if chosen is without else fused_warned):
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if isinstance(chosen, Exception):
+        raise chosen
+    return (unfused if chosen is without else gm), chosen, why
+
+
+def _choose(fused: Any, without: Any) -> tuple[Any, str | None]:
+    """The candidate kept and why the fused one was not (None: it was)."""
+    if isinstance(fused, Exception):
+        if without is None or isinstance(without, Exception):
+            return fused, None
+        return without, ("not applied: the graph with it could not be planned (e.g. a fused kernel's backward "
+                         "differentiated again); the graph without it could")
+    if without is None or isinstance(without, Exception):
+        return fused, None
+    peaks = candidate_peak(fused), candidate_peak(without)
+    log.debug("fxmem lowering: planned peak %s bytes with the compared patterns, %s without", *peaks)
+    if peaks[0] >= peaks[1]:
+        return without, f"not applied: the plan with it peaks at {peaks[0]:,} bytes, not below {peaks[1]:,} without it"
+    return fused, None
+
+
 class Partitioner(CustomPartitionerFn):
     """AOTAutograd ``partition_fn`` and Inductor ``custom_partitioner_fn`` in one object: joint
     graph -> sizes -> the plan's context -> plan -> split -> the target's graphs, each a stage
@@ -67,20 +136,20 @@ class Partitioner(CustomPartitionerFn):
     builds their reports and files them on the compile's record.
     """
 
-    def __init__(self, settings: PlanSettings | Options, compare: bool = False):
+    def __init__(self, settings: PlanSettings | Options, compared: Compared | None = None):
         self.settings = settings if isinstance(settings, PlanSettings) else PlanSettings.of(settings)
-        self.compare = compare  # planning only to compare peaks: a stage failure raises (no safe plan)
+        self.compared = compared  # the lowering's compared regions: plan with and without them
+        self.declined: str | None = None  # why the compared regions were not kept (None: kept)
         self.planned: list[PlannedGraph] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         settings = self.settings
         try:
-            joint = joint_graph(gm, num_fwd_outputs, settings)
-            sizes = SymbolicSizes.of(gm, settings.plan_shape)
-            chosen = plan(PlanContext.of(joint, sizes, settings.target), settings)
+            if self.compared is not None and has_marks(gm):
+                gm, (joint, sizes, chosen, _), self.declined = compare(gm, num_fwd_outputs, settings, self.compared)
+            else:
+                joint, sizes, chosen, _ = _planned(gm, num_fwd_outputs, settings)
         except Exception as e:  # noqa: BLE001 - the failure policy decides
-            if self.compare:
-                raise
             stage_failed("plan", e, settings)
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
@@ -88,8 +157,6 @@ class Partitioner(CustomPartitionerFn):
         try:
             result = split(joint, chosen.saved)
         except Exception as e:  # noqa: BLE001
-            if self.compare:
-                raise
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem split: %d values saved, %d recomputed in the backward",
@@ -101,6 +168,7 @@ class Partitioner(CustomPartitionerFn):
     @staticmethod
     def _safe(gm: fx.GraphModule, num_fwd_outputs: int):
         """The safe plan: keep every forward value the backward reads (a plain partition)."""
+        unmark(gm)
         joint = JointGraph.of(gm, num_fwd_outputs)
         result = split(joint, joint.default_saved())
         return result.fw, result.bw

@@ -129,20 +129,25 @@ def _unoptimized(options: Mapping[str, Any]):
     from ..inner import eager
     from ..lowering.decide import decide
     from ..options import resolve
+    from ..remat.partition import compare
     from ..remat.settings import PlanSettings
     from ..remat.split import split
 
     opts = resolve(dict(options))
-
-    def partition(gm, _inputs, *, num_fwd_outputs, **_):
-        joint = JointGraph.of(gm, num_fwd_outputs)
-        result = split(joint, joint.default_saved())
-        return result.fw, result.bw
+    settings = PlanSettings.of(opts, inner="eager")
 
     def backend(gm, example_inputs):
         # fxmem's own decision: the kept lowerings draw alike
-        gm = decide(gm, example_inputs, opts, PlanSettings.of(opts)).gm
-        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(gm, example_inputs)
+        decision = decide(gm, example_inputs, opts)
+
+        def partition(gm, _inputs, *, num_fwd_outputs, **_):
+            if decision.compared is not None:
+                gm = compare(gm, num_fwd_outputs, settings, decision.compared)[0]
+            joint = JointGraph.of(gm, num_fwd_outputs)
+            result = split(joint, joint.default_saved())
+            return result.fw, result.bw
+
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(decision.gm, example_inputs)
 
     return backend
 

@@ -8,9 +8,10 @@ import torch
 import torch.fx as fx
 
 from .. import lowering
-from ..lowering.decide import trial
+from ..inner import compile_joint
 from ..models import Workload
 from ..options import LOWERING_PATTERNS, resolve
+from ..remat.partition import Partitioner
 from ..remat.settings import PlanSettings
 
 
@@ -45,5 +46,13 @@ def planned_peaks(gm: fx.GraphModule, example_inputs: list[Any], pattern: str,
         return None, None
     without_gm, _ = lowering.lower(gm, example_inputs, without_opts.lowering)
     pairs = ((with_gm, with_opts), (without_gm, without_opts))
-    trials = [trial(g, example_inputs, PlanSettings.of(o)) for g, o in pairs]
-    return tuple(t.peak if t is not None else None for t in trials)
+    return tuple(planned_peak(g, example_inputs, PlanSettings.of(o)) for g, o in pairs)
+
+
+def planned_peak(gm: fx.GraphModule, example_inputs: list[Any], settings: PlanSettings) -> int | None:
+    """The simulated step peak of ``gm`` compiled with fxmem's partitioner (eager inner compiler);
+    None where nothing was planned."""
+    partitioner = Partitioner(settings)
+    compile_joint(gm, example_inputs, "eager", partitioner)
+    peaks = [g.peak() for g in partitioner.planned]
+    return max(peaks) if peaks else None
