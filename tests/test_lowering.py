@@ -38,9 +38,10 @@ def _lowering_always_applies(monkeypatch):
     kernels' fixed costs can make a plan peak higher: skip the backend's peak comparison and its
     futile-match rule (the no-worse rules have their own tests in tests/test_defaults.py and
     tests/test_lowering_proven.py)."""
-    from fxmem.lowering import decide, patterns
+    from fxmem.lowering import patterns
+    from fxmem.remat import partition
 
-    monkeypatch.setattr(decide, "trial", lambda *args: None)
+    monkeypatch.setattr(partition, "choose", lambda fused, without: (fused, None))
     monkeypatch.setattr(patterns, "CE_FUTILE_BELOW", 0.0)
     monkeypatch.setattr(patterns, "GLU_FUTILE", "")
 

@@ -9,11 +9,10 @@ import pytest
 
 from fxmem import lowering
 from fxmem.lowering import patterns
-from fxmem.lowering.decide import trial
 from fxmem.options import resolve
 from fxmem.remat.settings import PlanSettings
 from fxmem.testing import zoo
-from fxmem.testing.lowering import dynamo_graph, planned_peaks
+from fxmem.testing.lowering import dynamo_graph, planned_peak, planned_peaks
 
 MODELS = ["gpt2", "llama", "llama_tied", "mistral", "gemma2", "t5", "bart", "roberta", "vit", "whisper"]
 
@@ -27,8 +26,8 @@ def test_proven_lowerings_never_raise_the_planned_peak(name):
         lowered_gm, lowered = lowering.lower(gm, inputs, opts.lowering, proven_only=True)
         assert lowered.lowered and all(x.proven for x in lowered.lowered), name
         assert {x.pattern for x in lowered.lowered} <= {"rms_norm", "layer_norm"}
-        proven = trial(lowered_gm, inputs, PlanSettings.of(opts)).peak
-        plain = trial(gm, inputs, PlanSettings.of(resolve({"inner": "eager", "level": level}))).peak
+        proven = planned_peak(lowered_gm, inputs, PlanSettings.of(opts))
+        plain = planned_peak(gm, inputs, PlanSettings.of(resolve({"inner": "eager", "level": level})))
         assert proven <= plain, (name, level, proven, plain)
 
 

@@ -129,7 +129,9 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
     ``decline_futile``: matches that cannot lower it (:attr:`patterns.Match.futile`) are left
     alone, with that reason, unless ``lowering`` asks for their pattern by name (or is True);
     ``compare``: the matches neither proven nor futile are marked for the partitioner's
-    comparison (:mod:`.splice`; their regions in ``Lowering.regions``)."""
+    comparison (:mod:`.splice`; their regions in ``Lowering.regions``), except inside a vmap
+    region of a graph that is differentiated again: applied as they are there (where a fused
+    backward is differentiated again, the backend compiles the graph unlowered)."""
     result = Lowering()
     patterns = enabled(lowering)
     if not patterns:
@@ -159,7 +161,7 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
                 result.skipped.append((found.pattern, found.node.name, found.reason))
             elif isinstance(found, Match) and (found.proven or not proven_only):
                 region = None
-                if compare and not found.proven:
+                if compare and not found.proven and found.output not in ctx.region:  # (vmap regions: as they are)
                     if not splice.markable(found):
                         result.skipped.append((found.pattern, found.output.name, UNCOMPARED))
                         continue

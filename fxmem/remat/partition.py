@@ -103,7 +103,7 @@ def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, co
         unfused = None
     gm = compared.lowered(gm, settings.target)
     (fused, fused_warned), (without, without_warned) = (_attempt(g, num_fwd_outputs, settings) for g in (gm, unfused))
-    chosen, why = _choose(fused, without)
+    chosen, why = choose(fused, without)
     for w in (without_warned if chosen is without else fused_warned):
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if isinstance(chosen, Exception):
@@ -111,8 +111,9 @@ def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, co
     return (unfused if chosen is without else gm), chosen, why
 
 
-def _choose(fused: Any, without: Any) -> tuple[Any, str | None]:
-    """The candidate kept and why the fused one was not (None: it was)."""
+def choose(fused: Any, without: Any) -> tuple[Any, str | None]:
+    """The candidate kept and why the fused one was not (None: it was); each is planned stages,
+    the exception planning raised, or None (no such candidate)."""
     if isinstance(fused, Exception):
         if without is None or isinstance(without, Exception):
             return fused, None
