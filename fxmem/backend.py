@@ -6,11 +6,12 @@
 :func:`fxmem_backend` is that list. AOTAutograd (or Inductor) traces the joint graph and calls
 fxmem's partition function back with it, so the middle stages (joint graph, sizes, plan, split)
 run inside :class:`~fxmem.remat.partition.Partitioner`, a thin adapter that calls those stage
-functions in order. The options are resolved once and flow down unchanged; each stage gets the
-settings derived from them (:class:`~fxmem.remat.settings.PlanSettings` for the planner). A
-per-example region's chunk graphs take the same path from lowering on (:func:`_compile_chunk`),
-when the chunked step first runs at a size. Each stage logs one INFO line (``TORCH_LOGS=fxmem``)
-with its time.
+functions in order (where the lowering left matches to compare, it plans the joint graph with and
+without them, from the one trace, and splits the one of lower peak). The options are resolved
+once and flow down unchanged; each stage gets the settings derived from them
+(:class:`~fxmem.remat.settings.PlanSettings` for the planner). A per-example region's chunk
+graphs take the same path from lowering on (:func:`_compile_chunk`), when the chunked step first
+runs at a size. Each stage logs one INFO line (``TORCH_LOGS=fxmem``) with its time.
 """
 
 from __future__ import annotations

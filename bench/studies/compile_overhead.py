@@ -29,7 +29,7 @@ from fxmem.models import build  # noqa: E402
 
 LAYERS, REPEATS = 32, 5
 NORMS_ONLY = {"fused_linear_cross_entropy": False, "swiglu": False}  # Llama's matches but the norms
-COMPARED = {"swiglu": True}  # named: compared with the plan without it (a second trace and plan)
+COMPARED = {"swiglu": True}  # named: compared with the plan without it (one trace, a second plan)
 CONFIGS = {"aot_eager": ("aot_eager", None),
            "fxmem level 0": ("fxmem", {"inner": "eager"}),
            "fxmem level 1": ("fxmem", {"inner": "eager", "level": 1}),

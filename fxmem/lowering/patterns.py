@@ -13,8 +13,8 @@ their GELU before bias-GELU looks for one.
 
 A match is ``proven`` when its fused form never raises the planned step peak and ``futile`` when
 it cannot lower it; the backend applies the first and declines the second (unless its pattern is
-asked for by name) without comparing plans, and compares the rest (a second AOTAutograd trace
-and plan: ``fxmem.lowering.decide``; what that costs: bench/results/realistic-compile-time.md).
+asked for by name) without comparing plans, and compares the rest (one trace, a second plan:
+``fxmem.lowering.splice``; what that costs: bench/results/realistic-compile-time.md).
 Proven: the two norms (checked on the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``) and the fused
 cross-entropy where its logits are at least CE_PROVEN_FROM times the gradients it keeps from the
 forward (without autocast: under it the fused loss is compared, see CE_PROVEN_FROM); futile: the

@@ -109,9 +109,9 @@ def extract(m: Any, region_id: int, autocast: dict) -> tuple[Region, list[fx.Nod
 
 def mark(graph: fx.Graph, region: Region, inputs: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     """Marks on the region's inputs (before their first use in the match): old node -> mark."""
-    marks, inside = {}, set(region.where)
+    marks = {}
     for i, a in enumerate(inputs):
-        first = min((u for u in a.users if u in inside), key=_position(graph))
+        first = next(n for n in region.where if a in n.all_input_nodes)  # (``where``: graph order)
         with graph.inserting_before(first):
             marks[a] = graph.call_function(MARK, (a, region.id, i, IN))
         marks[a].meta.update(a.meta)
@@ -129,11 +129,6 @@ def mark_outputs(graph: fx.Graph, region: Region, outputs: list[fx.Node]) -> Non
         o.replace_all_uses_with(out, delete_user_cb=lambda u, out=out: u is not out and u not in inside)
 
 
-def _position(graph: fx.Graph):
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    return pos.__getitem__
-
-
 def is_mark(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is MARK
 
@@ -146,9 +141,7 @@ def unmark(gm: fx.GraphModule) -> int:
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
             count += 1
-    if count:
-        gm.recompile()
-    return count
+    return count  # (a joint graph: planned and split, its own code never runs)
 
 
 def has_marks(gm: fx.GraphModule) -> bool:
@@ -208,13 +201,13 @@ def unlowered(gm: fx.GraphModule, regions: dict[int, Region], decompositions: di
             found.setdefault(rid, {})[(role, index)] = n
     last_from = _last_forward_op(graph)
     traced: dict[tuple, Mini] = {}  # one trace per distinct region (a model's layers repeat)
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}  # graph position, kept for inserted nodes
     for rid, marks in found.items():
         if rid not in regions:
             raise SpliceError(f"a mark of region {rid}, which the lowering did not record")
-        _splice(graph, regions[rid], marks, decompositions, traced, last_from)
+        _splice(graph, regions[rid], marks, decompositions, traced, last_from, order)
     graph.lint()
-    new.recompile()
-    return new
+    return new  # (not recompiled: a joint graph is planned and split, its own code never runs)
 
 
 def _last_traced(names: list[str], count: int, last_from: dict[str, fx.Node]) -> fx.Node | None:
@@ -249,7 +242,8 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _splice(graph: fx.Graph, region: Region, marks: dict[tuple[str, int], fx.Node],
-            decompositions: dict | None, traced: dict[tuple, "Mini"], last_from: dict[str, fx.Node]) -> None:
+            decompositions: dict | None, traced: dict[tuple, "Mini"], last_from: dict[str, fx.Node],
+            order: dict[fx.Node, float]) -> None:
     n_in = len(region.unfused.graph.find_nodes(op="placeholder"))
     n_out = len(next(iter(region.unfused.graph.find_nodes(op="output"))).args[0])
     ins = [marks.get((IN, i)) for i in range(n_in)]
@@ -271,7 +265,6 @@ def _splice(graph: fx.Graph, region: Region, marks: dict[tuple[str, int], fx.Nod
     tangents = [g for g in out_grads if g is not None]
     env = dict(zip(places, [m.args[0] for m in ins] + [g.args[0] for g in tangents]))
     meta = {k: outs[0].args[0].meta[k] for k in ("stack_trace", "nn_module_stack") if k in outs[0].args[0].meta}
-    order = {n: float(i) for i, n in enumerate(graph.nodes)}  # graph position, kept for inserted nodes
     seq = {n: float(n.meta.get("seq_nr", -1)) for n in ins}  # autograd's sequence number (engine priority)
 
     def place(n: fx.Node, before: fx.Node, priority: float) -> fx.Node:

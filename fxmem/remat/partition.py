@@ -2,11 +2,15 @@
 the target's graphs), which AOTAutograd (or Inductor) calls back with the joint graph it traced.
 
 :class:`Partitioner` is a thin adapter: it runs those stage functions in order and keeps each
-graph's result (:class:`PlannedGraph`); the backend files them on the compile's record."""
+graph's result (:class:`PlannedGraph`); the backend files them on the compile's record. Where
+the lowering marked matches to compare (:mod:`fxmem.lowering.splice`), :func:`compare` plans the
+joint graph with them fused and with the ops they replaced, and the lower simulated peak is split."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import logging
 import warnings
@@ -59,6 +63,21 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings
     if settings.level == 2 and pack_masks(joint):
         joint = JointGraph.of(gm, num_fwd_outputs)  # regions changed
     return joint
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while planning: the planner allocates many small
+    objects (networks, node sets) while the traced graphs and their fake tensors are alive, so
+    each full collection walks all of them (a large share of a deep model's planning time,
+    bench/results/realistic-compile-time.md). The caller's setting is restored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _planned(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings):
@@ -144,6 +163,10 @@ class Partitioner(CustomPartitionerFn):
         self.planned: list[PlannedGraph] = []
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+        with _collector_paused():
+            return self._partition(gm, num_fwd_outputs)
+
+    def _partition(self, gm: fx.GraphModule, num_fwd_outputs: int):
         settings = self.settings
         try:
             if self.compared is not None and has_marks(gm):
