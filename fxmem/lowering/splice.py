@@ -244,6 +244,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 def _splice(graph: fx.Graph, region: Region, marks: dict[tuple[str, int], fx.Node],
             decompositions: dict | None, traced: dict[tuple, "Mini"], last_from: dict[str, fx.Node],
             order: dict[fx.Node, float]) -> None:
+    """Replace one marked region of the joint graph by the joint graph of its unfused ops."""
     n_in = len(region.unfused.graph.find_nodes(op="placeholder"))
     n_out = len(next(iter(region.unfused.graph.find_nodes(op="output"))).args[0])
     ins = [marks.get((IN, i)) for i in range(n_in)]
@@ -262,63 +263,85 @@ def _splice(graph: fx.Graph, region: Region, marks: dict[tuple[str, int], fx.Nod
     mini = traced[key]
     places = mini.gm.graph.find_nodes(op="placeholder")
     result = next(iter(mini.gm.graph.find_nodes(op="output"))).args[0]
-    tangents = [g for g in out_grads if g is not None]
-    env = dict(zip(places, [m.args[0] for m in ins] + [g.args[0] for g in tangents]))
-    meta = {k: outs[0].args[0].meta[k] for k in ("stack_trace", "nn_module_stack") if k in outs[0].args[0].meta}
-    seq = {n: float(n.meta.get("seq_nr", -1)) for n in ins}  # autograd's sequence number (engine priority)
-
-    def place(n: fx.Node, before: fx.Node, priority: float) -> fx.Node:
-        with graph.inserting_before(before):
-            env[n] = new = graph.node_copy(n, env.__getitem__)
-        order[new] = (order[new.prev] + order[before]) / 2 if new.prev in order else order[before] - 1.0
-        seq[new] = priority
-        new.meta["seq_nr"] = int(priority)
-        for k, v in meta.items():
-            new.meta.setdefault(k, v)
-        return new
-
-    # The forward in its own order (Dynamo's), each op as early as its inputs allow (the region's
-    # inputs at their marks); an op's sequence number follows its input's.
-    by_seq: dict[int, float] = {}
-    last = min(ins, key=order.__getitem__)
-    for n in mini.forward:
-        inputs = [env.get(a) if a not in places[:n_in] else ins[places.index(a)] for a in n.all_input_nodes]
-        op = mini.origin.get(n)
-        after = _last_traced(*region.follows[op], last_from) if op is not None and op < len(region.follows) else None
-        at = max([last, *inputs, *([after] if after is not None else [])], key=order.__getitem__)
-        last = new = place(n, at.next, seq.get(at, at.meta.get("seq_nr", -1)) + 1e-3)
-        if n.meta.get("seq_nr") is not None:
-            by_seq[n.meta["seq_nr"]] = seq[new]
-    # The backward, one autograd node's ops at a time, where the engine runs them: once ready
-    # (after their inputs and the region's incoming gradients), before the first op of a lower
-    # sequence number (the engine runs the ready node of the highest first) or a reader of theirs.
-    start = max((g for g in out_grads if g is not None), key=order.__getitem__, default=None)
-    grad_of = {r: g for r, g in zip(result[n_out:], in_grads) if isinstance(r, fx.Node) and g is not None}
-    for step, members in mini.backward:
-        if start is None:
-            raise SpliceError(f"region {region.id}: a backward without an incoming gradient")
-        priority = by_seq.get(step, max(seq[m] for m in ins))
-        inside = set(members)
-        ready = max([start] + [env[a] for n in members for a in n.all_input_nodes if a not in inside and a in env],
-                    key=order.__getitem__)
-        readers = {u for n in members if n in grad_of for u in grad_of[n].users}
-        at = ready.next
-        while at.op != "output" and at not in readers and not _runs_after(at, priority, seq):
-            at = at.next
-        for n in members:
-            place(n, at, priority)
-    values = [env[r] if isinstance(r, fx.Node) else r for r in result]
+    placer = _Placer(graph, order, outs[0].args[0].meta)
+    placer.env.update(zip(places, [m.args[0] for m in ins] + [g.args[0] for g in out_grads if g is not None]))
+    by_seq = placer.forward(mini, dict(zip(places[:n_in], ins)), region.follows, last_from)
+    readers = {r: list(g.users) for r, g in zip(result[n_out:], in_grads) if isinstance(r, fx.Node) and g is not None}
+    placer.backward(mini, [g for g in out_grads if g is not None], by_seq, max(placer.number(m) for m in ins),
+                    readers, region)
+    values = [placer.env[r] if isinstance(r, fx.Node) else r for r in result]
     for i, o in enumerate(outs):
         o.replace_all_uses_with(values[i])
-    grads = values[n_out:]
     for i, g in enumerate(in_grads):
         if g is None:
             continue
-        if grads[i] is None:
+        if values[n_out + i] is None:
             raise SpliceError(f"region {region.id}: input {i} has a gradient with the fused ops, none without")
-        g.replace_all_uses_with(grads[i])
-    dead = [m for m in ins + outs + in_grads + out_grads if m is not None]
-    _erase_unused(graph, dead)
+        g.replace_all_uses_with(values[n_out + i])
+    _erase_unused(graph, [m for m in ins + outs + in_grads + out_grads if m is not None])
+
+
+class _Placer:
+    """Copies a region's unfused nodes into the joint graph where a compile without the fused
+    ops runs them. ``order``: graph positions (inserted nodes get positions between their
+    neighbours'); ``seq``: autograd sequence numbers, the engine's priority in the backward."""
+
+    def __init__(self, graph: fx.Graph, order: dict[fx.Node, float], source_meta: dict):
+        self.graph, self.order = graph, order
+        self.env: dict[fx.Node, Any] = {}  # region node -> joint graph node
+        self.seq: dict[fx.Node, float] = {}
+        self.meta = {k: source_meta[k] for k in ("stack_trace", "nn_module_stack") if k in source_meta}
+
+    def number(self, n: fx.Node) -> float:
+        return self.seq.get(n, n.meta.get("seq_nr", -1))
+
+    def place(self, n: fx.Node, before: fx.Node, priority: float) -> fx.Node:
+        with self.graph.inserting_before(before):
+            self.env[n] = new = self.graph.node_copy(n, self.env.__getitem__)
+        order = self.order
+        order[new] = (order[new.prev] + order[before]) / 2 if new.prev in order else order[before] - 1.0
+        self.seq[new] = priority
+        new.meta["seq_nr"] = int(priority)
+        for k, v in self.meta.items():
+            new.meta.setdefault(k, v)
+        return new
+
+    def forward(self, mini: "Mini", marks: dict[fx.Node, fx.Node], follows: list, last_from: dict) -> dict[int, float]:
+        """The forward in its own order (Dynamo's), each op as early as its inputs (the region's
+        inputs at their marks) and the Dynamo node it followed allow; an op's sequence number
+        follows its input's. Returns the sequence numbers the region's forward ops got."""
+        by_seq: dict[int, float] = {}
+        last = min(marks.values(), key=self.order.__getitem__)
+        for n in mini.forward:
+            inputs = [marks[a] if a in marks else self.env[a] for a in n.all_input_nodes]
+            op = mini.origin.get(n)
+            after = _last_traced(*follows[op], last_from) if op is not None and op < len(follows) else None
+            at = max([last, *inputs, *([after] if after is not None else [])], key=self.order.__getitem__)
+            last = new = self.place(n, at.next, self.number(at) + 1e-3)
+            if n.meta.get("seq_nr") is not None:
+                by_seq[n.meta["seq_nr"]] = self.seq[new]
+        return by_seq
+
+    def backward(self, mini: "Mini", out_grads: list[fx.Node], by_seq: dict[int, float], latest: float,
+                 readers: dict[fx.Node, list[fx.Node]], region: Region) -> None:
+        """The backward, one autograd node's ops at a time, where the engine runs them: once
+        ready (after their inputs and the region's incoming gradients, ``out_grads``), before the
+        first op of a lower sequence number (the engine runs the ready node of the highest
+        first) or a reader of the gradients they compute."""
+        if mini.backward and not out_grads:
+            raise SpliceError(f"region {region.id}: a backward without an incoming gradient")
+        start = max(out_grads, key=self.order.__getitem__, default=None)
+        for step, members in mini.backward:
+            priority = by_seq.get(step, latest)
+            inside = set(members)
+            ready = max([start] + [self.env[a] for n in members for a in n.all_input_nodes
+                                   if a not in inside and a in self.env], key=self.order.__getitem__)
+            stop = {u for n in members for u in readers.get(n, ())}
+            at = ready.next
+            while at.op != "output" and at not in stop and not _runs_after(at, priority, self.seq):
+                at = at.next
+            for n in members:
+                self.place(n, at, priority)
 
 
 def _erase_unused(graph: fx.Graph, start: list[fx.Node]) -> None:
