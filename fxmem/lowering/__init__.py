@@ -160,13 +160,11 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
             elif isinstance(found, Match) and (found.proven or not proven_only):
-                region = None
-                if compare and not found.proven and found.output not in ctx.region:  # (vmap regions: as they are)
-                    if not splice.markable(found):
-                        result.skipped.append((found.pattern, found.output.name, UNCOMPARED))
-                        continue
-                    region = len(result.regions)
-                result.lowered.append(_apply(graph, found, ctx, erased, region, result.regions))
+                marked = compare and not found.proven and found.output not in ctx.region  # (vmap: as is)
+                if marked and not splice.markable(found):
+                    result.skipped.append((found.pattern, found.output.name, UNCOMPARED))
+                    continue
+                result.lowered.append(_apply(graph, found, ctx, erased, result.regions if marked else None))
     splice.locate(result.regions, graph, order)
     if not result.lowered:
         gm = original
@@ -196,15 +194,15 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set, region_id: int | None = None,
-           regions: list | None = None) -> Lowered:
-    """Replace ``m`` by its fused call; ``region_id``: mark it for comparison (:mod:`.splice`)."""
+def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set, regions: list | None = None) -> Lowered:
+    """Replace ``m`` by its fused call; with ``regions``, mark it for comparison (:mod:`.splice`)
+    and add its region there."""
     region = ctx.region.get(m.output)
     batch = region[0] if region is not None and isinstance(region[0], int) else 1
     saved = bytes_saved(m.nodes, m.output, m.call, m.args, m.kwargs, batch, ctx.autocast.get(m.output))
     through = lambda a: a  # noqa: E731
-    if region_id is not None:
-        compared, inputs, outputs = splice.extract(m, region_id, ctx.autocast.get(m.output, {}))
+    if regions is not None:
+        compared, inputs = splice.extract(m, len(regions), ctx.autocast.get(m.output, {}))
         regions.append(compared)
         marks = splice.mark(graph, compared, inputs)
         through = lambda a: fx.map_arg(a, lambda x: marks.get(x, x))  # noqa: E731
@@ -220,8 +218,8 @@ def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set, region_id: int 
         kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
         n.replace_all_uses_with(kept)
         replaced.append(kept)
-    if region_id is not None:
-        splice.mark_outputs(graph, regions[region_id], replaced)
+    if regions is not None:
+        splice.mark_outputs(graph, compared, replaced)
     for n in reversed(m.nodes):
         if not n.users:
             graph.erase_node(n)

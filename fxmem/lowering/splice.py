@@ -91,9 +91,9 @@ def markable(m: Any) -> bool:
                for n in m.nodes for a in n.all_input_nodes if a not in inside)
 
 
-def extract(m: Any, region_id: int, autocast: dict) -> tuple[Region, list[fx.Node], list[fx.Node]]:
-    """The match's unfused subgraph as a standalone module, with its inputs and outputs
-    (``m.output`` first, then the nodes the graph still needs: ``m.kept``)."""
+def extract(m: Any, region_id: int, autocast: dict) -> tuple[Region, list[fx.Node]]:
+    """The match's unfused subgraph as a standalone module (outputs: ``m.output`` first, then
+    the nodes the graph still needs, ``m.kept``), and its inputs."""
     inside = set(m.nodes)
     inputs = list(dict.fromkeys(a for n in m.nodes for a in n.all_input_nodes if a not in inside))
     outputs = [m.output, *(k[0] for k in m.kept)]
@@ -104,7 +104,7 @@ def extract(m: Any, region_id: int, autocast: dict) -> tuple[Region, list[fx.Nod
     graph.output(tuple(env[o] for o in outputs))
     owner = m.output.graph.owning_module
     sub = fx.GraphModule(owner if owner is not None else torch.nn.Module(), graph)
-    return Region(region_id, m.pattern, m.output.name, sub, dict(autocast), where=list(m.nodes)), inputs, outputs
+    return Region(region_id, m.pattern, m.output.name, sub, dict(autocast), where=list(m.nodes)), inputs
 
 
 def mark(graph: fx.Graph, region: Region, inputs: list[fx.Node]) -> dict[fx.Node, fx.Node]:
