@@ -227,8 +227,14 @@ def _labels(records: Records, prefix: str, suffix: str) -> list[str]:
 def _zoo_cell(label: str) -> Callable[[dict], str]:
     def cell(r: dict) -> str:
         c = f"cells.{label}."
-        return f"{_kib(r[c + 'peak'])} ({100 * r[c + 'error']:+.1f}%)" + ("" if r[c + "ok"] else " !")
+        graphs = r.get(c + "graphs", 1)
+        return (f"{_kib(r[c + 'peak'])} ({100 * r[c + 'error']:+.1f}%)" + (f" [{graphs}g]" if graphs > 1 else "")
+                + ("" if r[c + "ok"] else " !"))
     return cell
+
+
+def _ratio(key: str) -> Callable[[dict], str]:
+    return lambda r: f"{r[key]:.3f}" if r.get(key) is not None else "-"
 
 
 def _zoo_tables(records: Records) -> tuple[Table, ...]:
@@ -236,7 +242,9 @@ def _zoo_tables(records: Records) -> tuple[Table, ...]:
     return (Table("main", (
         Column("model", "model", number=False), Column("family", "family", number=False),
         Column("eager", "eager", _kib), Column("min-cut", "mincut", _kib),
+        Column("HF ckpt", lambda r: _kib(r["hf_ckpt"]) if r.get("hf_ckpt") else "-"),
         *[Column(label, _zoo_cell(label)) for label in labels],
+        Column("L1 / budget 0.0", _ratio("l1_over_least")), Column("L1 / HF ckpt", _ratio("l1_over_hf")),
         Column("L1 / eager", lambda r: r["cells.L1.peak"] / r["eager"], ".2f"),
         Column("lowered (L1)", lambda r: ", ".join(_listed("cells.L1.lowered")(r)) or "-", number=False),
         Column("s", "seconds", ".0f"))),)
@@ -245,14 +253,22 @@ def _zoo_tables(records: Records) -> tuple[Table, ...]:
 def _zoo_notes(records: Records) -> list[str]:
     rows = list(records.values())
     labels = _labels(records, "cells.", ".peak")
-    cells = [(r, f"cells.{lb}.") for r in rows for lb in labels]
-    out = [f"{sum(bool(r[c + 'ok']) for r, c in cells)} of {len(cells)} cells equal eager without a fallback; "
-           f"{sum(abs(r[c + 'error']) <= 0.05 for r, c in cells)} of {len(cells)} predicted within 5%; levels 1/2 "
-           f"and the budget at most level 0 on {sum(bool(r['levels_le_l0']) for r in rows)} of {len(rows)} models; "
-           f"lowering never raised the peak (levels 0, 1, 2) on {sum(bool(r['lowering_no_raise']) for r in rows)} "
-           f"of {len(rows)}."]
-    problems = [f"- {r['model']}, {c.split('.')[1]}: {'; '.join(_listed(c + 'problems')(r))}"
-                for r, c in cells if _listed(c + "problems")(r)]
+    cells = [(r, f"cells.{lb}.", lb) for r in rows for lb in labels]
+    count = lambda key: f"{sum(bool(r.get(key)) for r in rows)} of {sum(key in r for r in rows)}"  # noqa: E731
+    hf = [r for r in rows if r.get("l1_over_hf") is not None]
+    out = [f"{sum(bool(r[c + 'ok']) for r, c, _ in cells)} of {len(cells)} cells equal eager without a fallback; "
+           f"{sum(r[c + 'peak'] > 0 and abs(r[c + 'error']) <= 0.05 for r, c, _ in cells)} of {len(cells)} "
+           "predicted within 5% (the whole "
+           f"step: every graph of a step that graph breaks split, `[Ng]`); levels 1/2 and the budgets at most "
+           f"level 0 on {count('levels_le_l0')} models; level 1 below level 0 wherever `memory_budget=0.0` is, "
+           f"and at most 1.02x `memory_budget=0.0`, on {count('l1_le_least')}; level 1 at most HF checkpointing "
+           f"on {sum(r['l1_over_hf'] <= 1 for r in hf)} of {len(hf)} (the models that support it)"]
+    if any("lowering_no_raise" in r for r in rows):
+        out[0] += (f"; lowering never raised the peak (levels 0, 1, 2) on {count('lowering_no_raise')}, and "
+                   f"lowering off never peaked above the default (level 0) on {count('off_le_default')}")
+    out[0] += "."
+    problems = [f"- {r['model']}, {lb}: {'; '.join(_listed(c + 'problems')(r))}"
+                for r, c, lb in cells if _listed(c + "problems")(r)]
     return out + (["", "Problems:", *problems] if problems else [])
 
 
@@ -454,15 +470,16 @@ GPU = Spec("gpu", ("step", "model", "case", "item"), notes=_gpu_notes,
 
 ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
            title=lambda res: f"The zoo, {res.study.removeprefix('zoo-')} profile",
-           note="Every zoo model (`fxmem.testing.zoo`, dropout as shipped), eager inner compiler, fxmem's default "
-                "lowering unless the column says otherwise. Each fxmem cell: measured peak KiB (predict_peak's "
-                "error); `!` marks a step that is not eager's (loss or a gradient) or fell back. Peaks measured on "
-                "the third step. min-cut: torch's `min_cut_rematerialization_partition` with nop compilers.")
+           note=lambda res: (
+               "Every zoo model (`fxmem.testing.zoo`, dropout as shipped), "
+               f"{res.meta.get('run', {}).get('inner', 'eager')} inner compiler, fxmem's default lowering unless "
+               "the column says otherwise. Each fxmem cell: measured peak KiB (the whole step's predict_peak "
+               "error; `[Ng]`: N graph runs in a step that graph breaks split); `!` marks a step that is not "
+               "eager's (loss or a gradient) or fell back. Peaks measured on the third step. min-cut: torch's "
+               "`min_cut_rematerialization_partition` with nop compilers; HF ckpt: the eager step with Hugging "
+               "Face's gradient checkpointing (`-`: the model does not support it)."))
 SPECS: dict[str, Spec] = {s.name: s for s in (
     RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS, GPU,
-    Spec("generality", ("model", "cell"), title=lambda res: f"Generality: `{res.study}`",
-         note="`python bench/studies/generality.py`: per zoo family and configuration (case = model/cell), the "
-              "measured peak of the third step, fxmem's predicted peak, graphs per step, equal to eager."),
     Spec("dpsgd-parity", ("world", "step"), tables=(Table("main", (
         Column("ranks", "world", "d"), Column("step", "step", "d"), Column("batch", "batch", "d"),
         Column("loss", "loss", ".3f"), Column("epsilon", "epsilon", ".3f"), Column("step s", "step_s", ".1f"),
@@ -630,7 +647,6 @@ PATTERNS = (
     ("budget-time-*", "interleaved"),
     ("eager-time-*", "interleaved"),
     ("zoo-*", "zoo"),
-    ("generality-*", "generality"),
     ("realistic-*", "run"),
     ("planner-*", "run"),
     ("lowering", "run"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -78,7 +79,43 @@ class Compiled:
 
     def __call__(self, *args: Any) -> Any:
         self.compilation.called_ns = time.monotonic_ns()
-        return self.fn(*args)
+        out = self.fn(*args)
+        _log_step(self.compilation, out)
+        return out
+
+
+# The latest forward and backward runs of compiled graphs, oldest first (weakly): a step that
+# graph breaks split runs several graphs, some of them several times (a layer's resume
+# function); :func:`last_step` reads the latest step back from here.
+_CALLS: "deque[tuple[weakref.ref[Compilation], bool]]" = deque(maxlen=4096)
+_FORWARD, _BACKWARD = True, False
+
+
+def _log_step(c: Compilation, out: Any) -> None:
+    """Log a forward run that has a backward to come (an output with a ``grad_fn``), and that
+    backward's run when autograd reaches it (a pre-hook on the output's ``grad_fn``)."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    fn = next((t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+    if fn is None:
+        return
+    ref = weakref.ref(c)
+    _CALLS.append((ref, _FORWARD))
+    fn.register_prehook(lambda grads: _CALLS.append((ref, _BACKWARD)))
+
+
+def last_step(comps: list[Compilation]) -> list[Compilation]:
+    """The forward runs of the latest training step among ``comps``, in order: the latest run of
+    forwards with no backward between them (a step's forwards, then its backwards). Empty when
+    none of them ran with a backward to come."""
+    mine = {id(c) for c in comps}
+    runs = [(c, kind) for c, kind in ((r(), kind) for r, kind in _CALLS) if c is not None and id(c) in mine]
+    end = len(runs)
+    while end and runs[end - 1][1] is _BACKWARD:
+        end -= 1
+    start = end
+    while start and runs[start - 1][1] is _FORWARD:
+        start -= 1
+    return [c for c, _ in runs[start:end]]
 
 
 def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = None) -> list[Compilation]:

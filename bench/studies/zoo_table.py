@@ -1,11 +1,16 @@
-"""The zoo table (issue [zoo]): every zoo model under every option set, side by side with eager and
-torch's min-cut partitioner. Per cell: the step equals eager's (loss and every gradient, no
-fallback: ``fxmem.testing.zoo.conform``), the measured peak (the third step, exact on CPU), and
-``predict_peak``'s error against it. Eager inner compiler throughout; lowering as fxmem's default
-(every pattern but dropout) unless the column says "no lowering".
+"""The zoo table (issues [zoo], [generality]): every zoo model under every option set, side by
+side with eager, torch's min-cut partitioner and Hugging Face's gradient checkpointing. Per cell:
+the step equals eager's (loss and every gradient, no fallback: ``fxmem.testing.zoo.conform``),
+the measured peak (the third step, exact on CPU), ``predict_peak``'s error against it (the whole
+step's prediction, every graph of a step that Dynamo splits), graphs and graph breaks. Per model,
+the checks of [generality]: level 1 below level 0 wherever ``memory_budget=0.0`` is, level 1 at
+most 1.02x ``memory_budget=0.0`` and at most HF checkpointing, lowering off never above the
+default. Lowering as fxmem's default (every pattern but dropout) unless the column says "no
+lowering".
 
-    python bench/studies/zoo_table.py [--profile tiny|thorough] [MODEL ...]
-        # writes bench/results/zoo-<profile>.{json,md}
+    python bench/studies/zoo_table.py [--profile tiny|thorough] [--inner inductor] [MODEL ...]
+        # writes bench/results/zoo-<profile>[-inductor].{json,md}; --inner inductor: levels 0 and 1,
+        # memory_budget=0.0 with the Inductor inner compiler (predictions of Inductor's buffers)
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import configs  # noqa: E402
 import harness  # noqa: E402
 
 import fxmem  # noqa: E402
+from fxmem.graph_breaks import break_count, breaks_since  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 from fxmem.testing.zoo import FAMILY, PROFILES, ZOO, conform, eager_step, zoo_build  # noqa: E402
 
@@ -36,8 +42,11 @@ OPTIONS = {
     "L0 no lowering": {"level": 0, "lowering": False},
     "L1 no lowering": {"level": 1, "lowering": False},
     "L2 no lowering": {"level": 2, "lowering": False},
+    "budget 0.0": {"memory_budget": 0.0},
 }
+INDUCTOR = ("L0", "L1", "budget 0.0")  # the cells measured with --inner inductor
 BAR = 0.05  # predict_peak's error
+OVER_LEAST = 1.02  # level 1 at most this times memory_budget=0.0's peak
 
 
 def _peak(fn, w) -> int:
@@ -49,47 +58,97 @@ def _peak(fn, w) -> int:
     return perf.result.peak_bytes
 
 
-def model_row(name: str, profile: str) -> dict:
+def _hf_checkpointing(w) -> int | None:
+    """The eager step's peak with Hugging Face's layerwise checkpointing, None where the model
+    does not support it (gradients freed before each step, as ``conform`` does)."""
+    model = copy.deepcopy(w.model)
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with step_perf("cpu") as perf:
+            eager_step(model, w)
+    return perf.result.peak_bytes
+
+
+def model_row(name: str, profile: str, inner: str = "eager") -> dict:
     t = time.perf_counter()
     w = zoo_build(name, profile)
     ref = copy.deepcopy(w.model)
     reference = ref, eager_step(ref, w)
     torch._dynamo.reset()
     row = dict(model=name, family=FAMILY[name], eager=_peak(copy.deepcopy(w.model), w),
-               mincut=_peak(configs.build(copy.deepcopy(w.model), configs.parse("mincut_eager")), w), cells={})
-    for label, options in OPTIONS.items():
+               mincut=_peak(configs.build(copy.deepcopy(w.model), configs.parse("mincut_eager")), w),
+               hf_ckpt=_hf_checkpointing(w), cells={})
+    options = OPTIONS if inner == "eager" else {k: OPTIONS[k] for k in INDUCTOR}
+    for label, opts in options.items():
+        before = break_count()
         try:
-            c = conform(w, options, reference)
-            predicted = max((g.predict_peak() for g in fxmem.report(c.compiled).graphs), default=0)
+            c = conform(w, {**opts, "inner": inner}, reference)
+            rep = fxmem.report(c.compiled)
+            predicted = rep.predict_peak()
             cell = dict(ok=c.ok, peak=c.peak_bytes, predicted=predicted, error=predicted / c.peak_bytes - 1,
+                        graphs=len(rep.step_graphs()), breaks=len(breaks_since(before)),
                         problems=c.fallbacks + c.mismatches,
-                        lowered=sorted({r.pattern for g in fxmem.report(c.compiled).graphs for r in g.lowerings}))
+                        lowered=sorted({r.pattern for g in rep.graphs for r in g.lowerings}))
         except Exception as e:  # noqa: BLE001 - a cell that fails is a result, not the end of the run
-            cell = dict(ok=False, peak=0, predicted=0, error=0.0, problems=[f"{type(e).__name__}: {e}"], lowered=[])
+            cell = dict(ok=False, peak=0, predicted=0, error=0.0, graphs=0, breaks=0,
+                        problems=[f"{type(e).__name__}: {e}"], lowered=[])
         row["cells"][label] = cell
         print(name, label, {k: v for k, v in cell.items() if k != "problems"}, cell["problems"][:2], flush=True)
-    cells = row["cells"]
-    row.update(
-        ok=all(c["ok"] for c in cells.values()),
-        levels_le_l0=all(cells[k]["peak"] <= cells["L0"]["peak"] for k in ("L1", "L2", "L2 budget 0.3")),
-        lowering_no_raise=all(cells[f"L{k}"]["peak"] <= cells[f"L{k} no lowering"]["peak"] for k in range(3)),
-        predicted_within=all(abs(c["error"]) <= BAR for c in cells.values()),
-        seconds=time.perf_counter() - t)
+    row.update(checks(row), ok=all(c["ok"] for c in row["cells"].values()),
+               predicted_within=all(c["peak"] > 0 and abs(c["error"]) <= BAR for c in row["cells"].values()),
+               seconds=time.perf_counter() - t)
     return row
+
+
+def checks(row: dict) -> dict:
+    """[generality]'s per-model checks (those whose cells were measured)."""
+    peak = {k: c["peak"] for k, c in row["cells"].items()}
+    out = {}
+    l0, l1, least = peak.get("L0"), peak.get("L1"), peak.get("budget 0.0")
+    if l1 and least:
+        out["l1_over_least"] = l1 / least
+        out["l1_le_least"] = l1 <= OVER_LEAST * least and (l1 < l0 or least >= l0)
+    if l1 and row.get("hf_ckpt"):
+        out["l1_over_hf"] = l1 / row["hf_ckpt"]
+    levels = [k for k in ("L1", "L2", "L2 budget 0.3", "budget 0.0") if k in peak]
+    out["levels_le_l0"] = all(peak[k] <= l0 for k in levels)
+    off = [k for k in peak if k.endswith(" no lowering")]
+    if off:  # lowering off: never above its level with lowering, nor above the default (level 0)
+        out["lowering_no_raise"] = all(peak[k.removesuffix(" no lowering")] <= peak[k] for k in off)
+        out["off_le_default"] = all(peak[k] <= l0 for k in off if k != "L0 no lowering")
+    return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", choices=list(PROFILES), default="tiny")
+    ap.add_argument("--inner", choices=("eager", "inductor"), default="eager")
+    ap.add_argument("--merge", action="store_true",
+                    help="measure the MODELs named and replace their rows in the committed results, keeping the others")
     ap.add_argument("models", nargs="*", choices=[[], *ZOO], default=[])
     args = ap.parse_args(argv)
     names = args.models or list(ZOO)
     torch.set_num_threads(1)
-    meta = common.metadata(f"python bench/studies/zoo_table.py --profile {args.profile} " + " ".join(args.models))
+    inner = "" if args.inner == "eager" else f" --inner {args.inner}"
+    meta = common.metadata(f"python bench/studies/zoo_table.py --profile {args.profile}{inner} " + " ".join(args.models))
+    study = f"zoo-{args.profile}" + ("" if args.inner == "eager" else f"-{args.inner}")
     rows = []
+    if args.merge:  # the committed rows, in zoo order, those of the models named measured again
+        old = harness.read(harness.RESULTS / f"{study}.json")
+        rows = list(old.records().values())  # flat records: written back as the same rows
+        meta = {**meta, "merged": f"{', '.join(names)} measured again at this commit; the other rows "
+                                  f"from commit {old.meta.get('commit')}"}
     for name in names:  # rewritten after every model: a long run keeps what it measured
-        rows.append(model_row(name, args.profile))
-        harness.write(f"zoo-{args.profile}", rows, meta=meta, spec="zoo", run={"profile": args.profile, "bar": BAR})
+        rows = [r for r in rows if r["model"] != name]
+        rows.append(model_row(name, args.profile, args.inner))
+        rows.sort(key=lambda r: list(ZOO).index(r["model"]))
+        harness.write(study, rows, meta=meta, spec="zoo",
+                      run={"profile": args.profile, "inner": args.inner, "bar": BAR, "over_least": OVER_LEAST})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ from .settings import PlanSettings
 log = logging.getLogger("fxmem")
 
 TIEBREAK = 1e-6  # recompute weight when only bytes matter: picks the cheaper of equal-byte cuts
+# Level 1's layerwise plan is kept while its simulated peak is within this of the least peak's
+# plan (whose extra recompute would buy less than this); the issue's bar is 2% above it.
+LEVEL_SLACK = 0.01
 
 
 @dataclass(frozen=True)
@@ -144,12 +147,13 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
     # lower that plan's peak).
     unruled = not (settings.config or must_save or must_recompute)
     heavy = {n for n in (ctx.layer or joint.gm.graph.nodes) if n not in joint.backward and kind(n) == HEAVY}
-    if settings.level > 0 and unruled and (not ctx.layer or ctx.peak(saved) >= ctx.peak(level0)):
-        why = "no repeated layers found in the graph" if not ctx.layer else \
-            "its plan's simulated peak is not below level 0's"
-        saved, final = level0, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
-        if not settings.budgeted:  # (a budget starts from level 0's plan and chooses below)
-            saved, lam, final = _least_peak(ctx, settings, why, level0, final | heavy, must_save, problem, notes)
+    cheap = {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
+    if settings.level > 0 and unruled and not settings.budgeted:
+        own = saved if ctx.layer and ctx.peak(saved) < ctx.peak(level0) else None
+        saved, lam, final = _least_peak(ctx, settings, level0, (own, lam, final), cheap | heavy, must_save,
+                                        problem, notes)
+    elif settings.level > 0 and unruled and (not ctx.layer or ctx.peak(saved) >= ctx.peak(level0)):
+        saved, final = level0, cheap  # a budget starts from level 0's plan and chooses below
     if settings.budgeted:
         saved, lam, final = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
                                           _layerwise(ctx, must_save, problem))
@@ -160,21 +164,33 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
                 _bytes(ctx.stashed, nbytes), _bytes(level0, nbytes))
 
 
-def _least_peak(ctx: PlanContext, settings: PlanSettings, why: str, level0: list[fx.Node],
+def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node], own: tuple,
                 recomputable: set[fx.Node], must_save: set[fx.Node], problem,
                 notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
-    """A level whose own plan does not lower the peak (or that finds no layers) takes the plan of
-    least simulated peak among the budget's candidates (as ``memory_budget=0.0`` would, but the
-    least recompute at that peak): level 0's where nothing peaks lower."""
-    chosen, first, how, final = least_peak(ctx, level0, recomputable, must_save, problem,
-                                           _layerwise(ctx, must_save, problem))
+    """Level 1's (and 2's) plan: its own layerwise plan ``own`` = (saved, weight, recomputable)
+    where that lowers level 0's peak and comes within ``LEVEL_SLACK`` of the least simulated peak
+    among the budget's candidates; else the plan of least simulated peak (as
+    ``memory_budget=0.0`` would, but the least recompute at that peak): level 0's where nothing
+    peaks lower. Layer boundaries are a heuristic; the simulated peak judges it."""
+    saved, lam, final = own
+    chosen, first, how, least_final = least_peak(ctx, level0, recomputable, must_save, problem,
+                                                 _layerwise(ctx, must_save, problem))
+    level = f"level {settings.level}"
+    if saved is not None:
+        peak = ctx.peak(saved)
+        if peak <= chosen.peak * (1 + LEVEL_SLACK):
+            return saved, lam, final
+        why = f"its layerwise plan's simulated peak ({peak} bytes) is {peak / chosen.peak:.3f}x the least"
+    else:
+        why = "no repeated layers found in the graph" if not ctx.layer else \
+            "its plan's simulated peak is not below level 0's"
     if chosen.saved == first.saved or chosen.peak >= first.peak:
-        notes.append(f"level {settings.level}: {why}; using level 0's plan (no plan among {how} peaks lower)")
+        notes.append(f"{level}: {why}; using level 0's plan (no plan among {how} peaks lower)")
         return level0, TIEBREAK, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
-    notes.append(f"level {settings.level}: {why}; using the plan of least simulated peak among {how}: saved "
+    notes.append(f"{level}: {why}; using the plan of least simulated peak among {how}: saved "
                  f"{chosen.nbytes} bytes, simulated peak {chosen.peak} bytes (level 0's plan: {first.nbytes} bytes, "
                  f"{first.peak})")
-    return list(chosen.saved), chosen.lam, final
+    return list(chosen.saved), chosen.lam, least_final
 
 
 def _layerwise(ctx: PlanContext, must_save: set[fx.Node], problem) -> list[list[fx.Node]]:

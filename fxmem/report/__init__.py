@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..compilation import compilations
+from ..compilation import compilations, last_step
 from .deep import LayerScaledReport
 from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
 from .publish import lowering_rows, publish
@@ -29,12 +29,15 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
     from dataclasses import asdict
 
     graphs = [g for c in comps for g in c.graphs if g.report is not None]
+    index = {id(g): i for i, g in enumerate(graphs)}
+    latest = {id(c): index[id(g)] for c in comps for g in c.graphs if id(g) in index}  # its last planned graph
+    step = [latest[id(c)] for c in last_step(comps) if id(c) in latest]
     names = _positional_names(compiled)
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
-                        [] if comps else _dynamo_unsupported())
+                        [] if comps else _dynamo_unsupported(), step)
 
 
 def _dynamo_unsupported() -> list[str]:

@@ -58,6 +58,12 @@ def optimizer_state_per_byte(optimizer: str | float | None) -> float:
 def batch_peak(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], int]:
     """The predicted peak of ``g`` as a function of the batch (dimension 0 of every input), the
     other dimensions given as ``max_batch`` takes them."""
+    values = batch_values(g, shapes)
+    return lambda b: g.peak_at_values(values(b))
+
+
+def batch_values(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], dict[str, int]]:
+    """``g``'s symbol values as a function of the batch (dimension 0 of every input)."""
     batch_syms = {s for s, n in g.symbols.items() if n.endswith(".size(0)")}
     if not batch_syms:
         fixed0 = sorted(f"{n}={v}" for n, v in g.static_dims.items() if n.endswith(".size(0)"))
@@ -70,7 +76,14 @@ def batch_peak(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], int]
     fixed = g.values_at(**shapes)
     if seq is not None:
         fixed.update({s: seq for s, n in g.symbols.items() if n.endswith(".size(1)")})
-    return lambda b: g.peak_at_values({**fixed, **{s: b for s in batch_syms}})
+    return lambda b: {**fixed, **{s: b for s in batch_syms}}
+
+
+def _values_where_named(g: "GraphReport", shapes: Mapping[str, Any]) -> dict[str, int]:
+    """``g.values_at`` for the shapes naming ``g``'s inputs (one graph of a step need not take
+    every input of the step)."""
+    names = {n.split(".size(")[0] for n in [*g.symbols.values(), *g.static_dims]} | set(g.symbols)
+    return g.values_at(**{k: v for k, v in shapes.items() if k in names})
 
 
 def largest_batch(fits: Callable[[int], bool], limit: int) -> int:
@@ -116,6 +129,10 @@ class GraphReport:
     modules: list[list] = field(default_factory=list)  # [module, kept bytes, recomputed bytes], largest first
     owners: dict[str, str] = field(default_factory=dict)  # scheduled value name -> module that produced it
     forward_cost: float = 0.0  # the forward's FLOPs (or elements), at the compiled shape
+    # Bytes crossing between the step's phases, formulas (raw symbols): "kept" (forward to
+    # backward), "outputs" (the forward's other outputs), "tangents" (the backward's incoming
+    # gradients), "gradients" (what the backward returns). For a step of several graphs.
+    crossing: dict[str, str] = field(default_factory=dict)
 
     def with_names(self, positional: list[str]) -> "GraphReport":
         """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
@@ -193,6 +210,49 @@ def _events(raw: list[list]) -> list[Event]:
     return [(kind, name, sympy.sympify(text)) for kind, name, text in raw]
 
 
+@dataclass(frozen=True)
+class Phases:
+    """One graph's part in a training step, in bytes at some shape (see :func:`chained_peak`):
+    its forward's and backward's peaks above what was alive before each, and what crosses from
+    one phase to the next (``GraphReport.crossing``)."""
+    forward: int     # the forward's peak (its intermediates; inputs not counted)
+    kept: int        # values kept for the backward (alive from the forward to the backward)
+    outputs: int     # the forward's other outputs (the next graph's inputs, or the loss)
+    backward: int    # the backward's peak (kept values, incoming gradients, its buffers and outputs)
+    tangents: int    # the incoming gradients of its outputs (the next graph's backward made them)
+    gradients: int   # what the backward returns: parameter gradients and its inputs' gradients
+
+    @classmethod
+    def of(cls, g: "GraphReport", values: Mapping[str, int]) -> "Phases":
+        fw, bw = g._parsed
+        at = {k: evaluate(sympy.sympify(g.crossing.get(k, "0")), values)
+              for k in ("kept", "outputs", "tangents", "gradients")}
+        return cls(peak(fw, values).peak, at["kept"], at["outputs"], peak(bw, values).peak, at["tangents"],
+                   at["gradients"])
+
+
+def chained_peak(parts: list[Phases]) -> int:
+    """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
+    their forwards in order, then their backwards in reverse. Each forward runs above the kept
+    values and outputs of the graphs before it (a graph's outputs are the next one's inputs and
+    are alive until that one's backward, which usually keeps them); each backward runs above
+    those too and above the parameter gradients the later graphs' backwards left (their
+    inputs' gradients are this backward's incoming gradients, counted in its peak). One graph:
+    its own forward and backward peaks. Work between the graphs (code Dynamo ran eagerly) is
+    not seen."""
+    best = held = 0
+    for p in parts:
+        best = max(best, held + p.forward)
+        held += p.kept + p.outputs
+    grads = 0
+    for j in reversed(range(len(parts))):
+        p = parts[j]
+        held -= p.kept + p.outputs
+        best = max(best, held + grads + p.backward)
+        grads += p.gradients - (parts[j - 1].tangents if j else 0)
+    return best
+
+
 @dataclass
 class MemoryReport:
     """Every graph fxmem compiled for a model, latest last."""
@@ -205,6 +265,9 @@ class MemoryReport:
     unplanned_lowerings: list[dict] = field(default_factory=list)
     # With no graphs: what Dynamo could not trace in this process (why it ran the code eagerly).
     dynamo_unsupported: list[str] = field(default_factory=list)
+    # The latest step's graphs (indices into ``graphs``) in the order their forwards ran, a graph
+    # once per call: several where graph breaks split the step. Empty: the latest graph alone.
+    step: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         from .render import lowering_lines, per_example_lines, table
@@ -225,9 +288,27 @@ class MemoryReport:
             raise ValueError("the report holds no graphs: nothing was compiled with backend='fxmem'")
         return self.graphs[-1]
 
+    def step_graphs(self) -> list[GraphReport]:
+        """The graphs of the latest step, in the order their forwards ran (a graph once per call);
+        the latest graph alone when the step is not known (a report read from JSON without it)."""
+        return [self.graphs[i] for i in self.step] if self.step else [self._graph()]
+
     def predict_peak(self, **shapes: Any) -> int:
-        """Predicted peak bytes of a training step at the given input shapes (latest graph)."""
-        return self._graph().predict_peak(**shapes)
+        """Predicted peak bytes of a training step at the given input shapes: the whole step,
+        every graph of it where graph breaks split it (:func:`chained_peak`); shapes apply to
+        the graphs that take inputs of those names."""
+        graphs = self.step_graphs()
+        if len(graphs) == 1:
+            return graphs[0].predict_peak(**shapes)
+        return self._chained(lambda g: _values_where_named(g, shapes))
+
+    def _chained(self, values_of: Callable[[GraphReport], dict[str, int]]) -> int:
+        parts = {}
+        for i in self.step or [len(self.graphs) - 1]:
+            if i not in parts:
+                g = self.graphs[i]
+                parts[i] = Phases.of(g, values_of(g))
+        return chained_peak([parts[i] for i in self.step or [len(self.graphs) - 1]])
 
     def peak_breakdown(self, **shapes: Any) -> dict:
         """Tensors alive at the predicted peak at the given input shapes (latest graph); see
@@ -245,8 +326,12 @@ class MemoryReport:
         Other dimensions by keyword: ``seq=2048`` sets dimension 1, or give inputs by name
         (``input_ids=(1, 2048)``: its first entry is replaced by each candidate batch).
         """
-        state, peak_of = self.resident_bytes(optimizer), batch_peak(self._graph(), shapes)
-        cap_bytes = parse_bytes(cap, "cap")
+        state, cap_bytes = self.resident_bytes(optimizer), parse_bytes(cap, "cap")
+        if len(self.step_graphs()) == 1:
+            peak_of = batch_peak(self.step_graphs()[0], shapes)
+        else:  # every graph of the step at the candidate batch (dimension 0 of each one's inputs)
+            values = {id(g): batch_values(g, shapes) for g in self.step_graphs()}
+            peak_of = lambda b: self._chained(lambda g: values[id(g)](b))  # noqa: E731
         return largest_batch(lambda b: state + peak_of(b) <= cap_bytes, limit)
 
     def resident_bytes(self, optimizer: str | float | None = None) -> int:
@@ -258,7 +343,7 @@ class MemoryReport:
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
                 "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
-                "dynamo_unsupported": self.dynamo_unsupported}
+                "dynamo_unsupported": self.dynamo_unsupported, "step": self.step}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -283,7 +368,7 @@ class MemoryReport:
             graphs.append(GraphReport(**g))
         return cls(graphs, per_example=data.get("per_example", []),
                    unplanned_lowerings=data.get("unplanned_lowerings", []),
-                   dynamo_unsupported=data.get("dynamo_unsupported", []))
+                   dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
@@ -333,6 +418,7 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
     kept = {root.get(n, n).name: sizes.at(nbytes(root.get(n, n))) for n in split.saved}
     recomputed = {c.stash.name: sizes.at(nbytes(c.stash)) for c in plan.clusters if c.stash.name not in saved_names}
     scheduled = {e[1] for e in [*fw, *bw]}
+    crossing = {k: str(v) for k, v in _crossing(split, bw, sizes, nbytes).items()}
     return GraphReport(
         index=index, level=plan.level, options=options_key,
         symbols={s.name: n for s, n in sizes.names.items()},
@@ -346,5 +432,19 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         lowerings=list(lowerings), lowering_notes=list(lowering_notes), compile_id=compile_id,
         static_dims=dict(static_dims or {}), model_bytes=model_bytes[0], trainable_bytes=model_bytes[1],
         modules=by_module(owner, kept, recomputed), owners={k: v for k, v in owner.items() if k in scheduled},
-        forward_cost=float(sum(cost.values())),
+        forward_cost=float(sum(cost.values())), crossing=crossing,
     )
+
+
+def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, sympy.Expr]:
+    """``GraphReport.crossing``: the backward's counted placeholders (kept values and tangents, as
+    its schedule allocates them), the forward's outputs it does not keep, the backward's outputs."""
+    placeholders = {n.name for n in split.bw.graph.find_nodes(op="placeholder")}
+    taken = [(n, e) for k, n, e in bw if k == "alloc" and n in placeholders]
+    fw_out = {n for n in split.fw.graph.output_node().all_input_nodes if n.name not in placeholders}
+    bw_out = set(split.bw.graph.output_node().all_input_nodes)
+    add = lambda terms: sympy.Add(*terms, sympy.Integer(0))  # noqa: E731
+    return {"kept": add(e for n, e in taken if not n.startswith("tangents")),
+            "tangents": add(e for n, e in taken if n.startswith("tangents")),
+            "outputs": add(nbytes(n) for n in fw_out if n.op != "placeholder"),
+            "gradients": add(sizes.nbytes(n) for n in bw_out)}
