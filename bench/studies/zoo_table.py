@@ -135,7 +135,8 @@ def main(argv=None) -> None:
     names = args.models or list(ZOO)
     torch.set_num_threads(1)
     inner = "" if args.inner == "eager" else f" --inner {args.inner}"
-    meta = common.metadata(f"python bench/studies/zoo_table.py --profile {args.profile}{inner} " + " ".join(args.models))
+    meta = common.metadata(f"python bench/studies/zoo_table.py --profile {args.profile}{inner} "
+                           + ("--merge " if args.merge else "") + " ".join(args.models))
     study = f"zoo-{args.profile}" + ("" if args.inner == "eager" else f"-{args.inner}")
     rows = []
     if args.merge:  # the committed rows, in zoo order, those of the models named measured again
