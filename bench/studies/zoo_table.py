@@ -10,7 +10,8 @@ lowering".
 
     python bench/studies/zoo_table.py [--profile tiny|thorough] [--inner inductor] [MODEL ...]
         # writes bench/results/zoo-<profile>[-inductor].{json,md}; --inner inductor: levels 0 and 1,
-        # memory_budget=0.0 with the Inductor inner compiler (predictions of Inductor's buffers)
+        # memory_budget=0.0 with the Inductor inner compiler (predictions of Inductor's buffers),
+        # under Inductor's fallback_random (dropout draws eager's masks, so the step can equal eager's)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, configs
 
@@ -144,6 +146,8 @@ def main(argv=None) -> None:
         rows = list(old.records().values())  # flat records: written back as the same rows
         meta = {**meta, "merged": f"{', '.join(names)} measured again at this commit; the other rows "
                                   f"from commit {old.meta.get('commit')}"}
+    if args.inner == "inductor":
+        torch._inductor.config.fallback_random = True
     for name in names:  # rewritten after every model: a long run keeps what it measured
         rows = [r for r in rows if r["model"] != name]
         rows.append(model_row(name, args.profile, args.inner))
