@@ -36,6 +36,7 @@ from .options import OptionError, Options, resolve
 from .remat.partition import Partitioner, PlannedGraph
 from .remat.settings import PlanSettings
 from .report import publish
+from .report.publish import file_code
 
 log = logging.getLogger("fxmem")
 
@@ -75,7 +76,8 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
     backward differentiated again), on the unlowered graph, with the report saying why."""
     partitioner = Partitioner(settings, decision.compared)
     try:
-        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner)
+        code = file_code(partitioner.planned)  # the inner compiler's code, for the report
+        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code)
         return compiled, partitioner.planned, decision.outcome(partitioner.declined)
     except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
         if decision.gm is gm or not is_failure(e):
@@ -85,8 +87,9 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
         why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
                "the unlowered one could")
     partitioner = Partitioner(settings)
-    return inner.compile_joint(gm, example_inputs, inner_name, partitioner), partitioner.planned, \
-        decision.lowering.declined(why)
+    return inner.compile_joint(gm, example_inputs, inner_name, partitioner, file_code(partitioner.planned)), \
+        partitioner.planned, decision.lowering.declined(why)
+
 
 
 LONG_STAGE_S = 1.0  # a stage this long is logged at INFO (TORCH_LOGS=fxmem shows it), shorter ones at DEBUG

@@ -8,7 +8,7 @@ Inductor does both on its own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -51,9 +51,12 @@ def eager(gm: fx.GraphModule, example_inputs: Any):
     return box
 
 
-def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partition_fn: Any):
+def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partition_fn: Any,
+                  on_code: Callable[[str, str], None] | None = None):
     """A training graph: AOTAutograd with ``partition_fn`` (fxmem's partitioner), then the inner
-    compiler (``"eager"`` or ``"inductor"``) on the forward and backward graphs."""
+    compiler (``"eager"`` or ``"inductor"``) on the forward and backward graphs. ``on_code(kind,
+    source)``: Inductor's wrapper code of the ``"forward"`` and, when it is compiled (at the first
+    backward for static shapes), the ``"backward"``."""
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
@@ -69,7 +72,24 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
     cacheable = {**inductor_config.unsafe_marked_cacheable_functions, CONTROL_DEPS: torch.__version__}
     patches = {"custom_partitioner_fn": partition_fn, "unsafe_marked_cacheable_functions": cacheable}
     with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=_reading_code(on_code))
+
+
+def _reading_code(on_code: Callable[[str, str], None] | None) -> Callable:
+    """Inductor's ``inner_compile``, handing each compiled graph's wrapper code to ``on_code``
+    (a cache hit's too: its ``source_code`` is the cached wrapper)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if on_code is None:
+        return compile_fx_inner
+
+    def inner_compile(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        code = getattr(out, "source_code", None)
+        if isinstance(code, str):
+            on_code("backward" if kwargs.get("is_backward") else "forward", code)
+        return out
+    return inner_compile
 
 
 def compile_safe(gm: fx.GraphModule, example_inputs: list):

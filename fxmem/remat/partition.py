@@ -14,7 +14,7 @@ import gc
 import hashlib
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,9 @@ class PlannedGraph:
     sizes: SymbolicSizes
     primal_names: frozenset[str]  # the joint graph's inputs (their views keep no storage)
     report: "GraphReport | None" = None  # the record stage's: built once the graph is compiled
+    # The inner compiler's code for the forward and the backward ("forward"/"backward" -> source),
+    # where it states its buffers (Inductor's wrapper): the report reads its schedule from it.
+    inner_code: dict[str, str] = field(default_factory=dict)
 
     def peak(self) -> int:
         """The simulated step peak at the compiled shape (the report's ``predict_peak()``)."""

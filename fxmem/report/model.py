@@ -8,16 +8,23 @@ so ``predict_peak`` and ``max_batch`` work at any shape, from a live compile or 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import sympy
+import torch
 
 from ..graph.liveness import Event, evaluate, peak, step_schedules, storage_roots
 from ..options import OPTIMIZER_STATE, parse_bytes
 from .modules import TOP, by_module, common, owners
+
+if TYPE_CHECKING:
+    from ..remat.partition import PlannedGraph
+
+log = logging.getLogger("fxmem")
 
 SCHEMA_VERSION = 1
 _ARGS = re.compile(r"\bargs\[(\d+)\]")
@@ -434,6 +441,49 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         modules=by_module(owner, kept, recomputed), owners={k: v for k, v in owner.items() if k in scheduled},
         forward_cost=float(sum(cost.values())), crossing=crossing,
     )
+
+
+def inner_schedules(rep: GraphReport, graph: "PlannedGraph") -> GraphReport:
+    """``rep`` with the forward's and backward's schedules the inner compiler's code states
+    (``graph.inner_code``: Inductor's wrapper, read by ``graph.inductor_code``), where it is there and
+    reads; else ``rep`` as it is (fxmem's simulation of the split's graphs). The crossing kept
+    values and tangents follow the backward's schedule."""
+    from ..graph.inductor_code import schedule
+    from ..graph.scratch import scratch_bytes
+
+    changes: dict[str, Any] = {}
+    values = {x.name: v for x, v in graph.sizes.values.items()}
+    fresh: list[bool] = []  # per forward output: a storage the forward allocated
+    try:
+        for kind, gm in (("forward", graph.split.fw), ("backward", graph.split.bw)):
+            code = graph.inner_code.get(kind)
+            if code is None:
+                continue
+            inputs = list(gm.graph.find_nodes(op="placeholder"))
+            counted = {n.name for n in inputs if kind == "backward" and n.name not in graph.primal_names}
+            if kind == "backward" and fresh:  # kept values that are the forward's copies (a weight
+                saved = [n.name for n in inputs if not n.name.startswith("tangents")]  # in channels-last)
+                counted |= {n for n, f in zip(saved, fresh[len(fresh) - len(saved):]) if f}
+            dtypes = {n.name: v.dtype for n in inputs if isinstance(v := n.meta.get("val"), torch.Tensor)}
+            scratch = {n.name: (str(n.target), b) for n in gm.graph.nodes
+                       if n.op == "call_function" and (b := scratch_bytes(n)) != 0}
+            made = {n.name: (str(n.target), n.meta.get("val")) for n in gm.graph.nodes if n.op == "call_function"}
+            events, returned = schedule(code, {n: graph.sizes.nbytes(p) for p in inputs if (n := p.name) in counted},
+                                        dtypes, counted, scratch, values, made)
+            if kind == "forward":
+                fresh = returned
+            changes[kind] = [[k, n, str(e)] for k, n, e in events]
+    except Exception as e:  # noqa: BLE001 - a report is about the compile, never its failure
+        log.debug("fxmem report: the inner compiler's code could not be read (%s: %s); the report keeps "
+                  "fxmem's simulation", type(e).__name__, e)
+        return rep
+    if "backward" in changes:
+        placeholders = {n.name for n in graph.split.bw.graph.find_nodes(op="placeholder")}
+        taken = [(n, e) for k, n, e in _events(changes["backward"]) if k == "alloc" and n in placeholders]
+        add = lambda terms: str(sympy.Add(*terms, sympy.Integer(0)))  # noqa: E731
+        changes["crossing"] = {**rep.crossing, "kept": add(e for n, e in taken if not n.startswith("tangents")),
+                               "tangents": add(e for n, e in taken if n.startswith("tangents"))}
+    return replace(rep, **changes) if changes else rep
 
 
 def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, sympy.Expr]:

@@ -17,7 +17,7 @@ from ..compilation import Compilation
 from ..fallback import stage_failed
 from ..logs import trace_plan
 from ..lowering import PATTERNS
-from .model import LoweringRow, MemoryReport, build, report_json_path
+from .model import LoweringRow, MemoryReport, build, inner_schedules, report_json_path
 from .render import lowering_lines, table
 
 if TYPE_CHECKING:
@@ -40,13 +40,27 @@ def publish(comp: Compilation, planned: "list[PlannedGraph]", lowered: "Lowering
         _guarded(comp, lambda graph=graph: _report(comp, graph, len(comp.graphs) - 1, lowered))
 
 
+def file_code(planned: "list[PlannedGraph]") -> Callable[[str, str], None]:
+    """Where the inner compiler's code of the graph a partitioner planned goes (``planned`` is
+    its list): onto that graph, and into its report when the report exists already (a backward
+    Inductor compiles at its first run, after the record stage). Never fails the compile."""
+    def on_code(kind: str, code: str) -> None:
+        if not planned:
+            return
+        graph = planned[-1]
+        graph.inner_code[kind] = code
+        if graph.report is not None:
+            graph.report = inner_schedules(graph.report, graph)
+    return on_code
+
+
 def _report(comp: Compilation, graph: "PlannedGraph", index: int, lowered: "Lowering") -> None:
     """Build graph ``index``'s report, file it on ``graph``, show it and write it."""
     rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
                 lowerings=lowering_rows(lowered), lowering_notes=lowered.notes(),
                 compile_id=str(comp.compile_id or ""), static_dims=comp.static_dims,
                 model_bytes=comp.model_bytes)
-    graph.report = rep
+    rep = graph.report = inner_schedules(rep, graph)
     _show(comp, lambda: table(rep))
     trace_plan(lambda: MemoryReport([rep]).to_json(), comp.compile_id)
     if comp.options.report_path:
