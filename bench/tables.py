@@ -264,8 +264,11 @@ def _zoo_notes(records: Records) -> list[str]:
            f"and at most 1.02x `memory_budget=0.0`, on {count('l1_le_least')}; level 1 at most HF checkpointing "
            f"on {sum(r['l1_over_hf'] <= 1 for r in hf)} of {len(hf)} (the models that support it)"]
     if any("lowering_no_raise" in r for r in rows):
-        out[0] += (f"; lowering never raised the peak (levels 0, 1, 2) on {count('lowering_no_raise')}, and "
-                   f"lowering off never peaked above the default (level 0) on {count('off_le_default')}")
+        off = [r for r in rows if "cells.L0 no lowering.peak" in r]
+        within = sum(all(r[k] <= r["cells.L0 no lowering.peak"] for k in r
+                         if k.startswith("cells.L") and k.endswith(" no lowering.peak")) for r in off)
+        out[0] += (f"; lowering never raised the peak (levels 0, 1, 2) on {count('lowering_no_raise')}, and with "
+                   f"lowering off levels 1 and 2 were at most level 0 on {within} of {len(off)}")
     out[0] += "."
     problems = [f"- {r['model']}, {lb}: {'; '.join(_listed(c + 'problems')(r))}"
                 for r, c, lb in cells if _listed(c + "problems")(r)]

@@ -215,15 +215,18 @@ def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p:
 
 
 def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Node], keep: set[fx.Node],
-               problem: Callable[[frozenset], CutProblem], layerwise: list[list[fx.Node]] = ()
-               ) -> tuple[Candidate, Candidate, str, set[fx.Node]]:
+               problem: Callable[[frozenset], CutProblem], layerwise: list[list[fx.Node]] = (),
+               fewest_bytes: bool = False) -> tuple[Candidate, Candidate, str, set[fx.Node]]:
     """A level's plan where its own does not lower the peak: among the :func:`candidates`, the
     least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
-    recompute that lowers nothing is not paid for. Returns (that plan, ``saved0``'s candidate,
-    how the candidates are named, the recomputable set)."""
+    recompute that lowers nothing is not paid for; with ``fewest_bytes``, the fewest kept bytes
+    among them (``memory_budget=0.0``'s plan: what a graph keeps is alive through the graphs
+    after it). Returns (that plan, ``saved0``'s candidate, how the candidates are named, the
+    recomputable set)."""
     recomp = recomputable - keep
     scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
-    chosen = _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)))
+    chosen = min(scored, key=_least_peak) if fewest_bytes else \
+        _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)))
     return chosen, scored[0], how, recomp | ctx.walk(chosen.saved)
 
 

@@ -171,12 +171,19 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     where that lowers level 0's peak and comes within ``LEVEL_SLACK`` of the least simulated peak
     among the budget's candidates; else the plan of least simulated peak (as
     ``memory_budget=0.0`` would, but the least recompute at that peak): level 0's where nothing
-    peaks lower. Layer boundaries are a heuristic; the simulated peak judges it."""
+    peaks lower. Layer boundaries are a heuristic; the simulated peak judges it. A graph that
+    is one part of a step (no loss in it) takes ``memory_budget=0.0``'s plan."""
     saved, lam, final = own
+    # A graph that returns no scalar to differentiate (a loss) passes its outputs on to more of
+    # the step (Dynamo split the step at a graph break): what it keeps is alive while the rest
+    # runs, which its own simulated peak does not see, so it keeps the fewest bytes at its least peak.
+    partial = not any(_scalar(t) for t in ctx.joint.tangents)
     chosen, first, how, least_final = least_peak(ctx, level0, recomputable, must_save, problem,
-                                                 _layerwise(ctx, must_save, problem))
+                                                 _layerwise(ctx, must_save, problem), fewest_bytes=partial)
     level = f"level {settings.level}"
-    if saved is not None:
+    if saved is not None and partial:
+        why = "its graph returns no loss (a graph break splits the step) and what it keeps stays alive after it"
+    elif saved is not None:
         peak = ctx.peak(saved)
         if peak <= chosen.peak * (1 + LEVEL_SLACK):
             return saved, lam, final
@@ -184,13 +191,19 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     else:
         why = "no repeated layers found in the graph" if not ctx.layer else \
             "its plan's simulated peak is not below level 0's"
-    if chosen.saved == first.saved or chosen.peak >= first.peak:
+    better = (chosen.peak, chosen.nbytes) < (first.peak, first.nbytes) if partial else chosen.peak < first.peak
+    if chosen.saved == first.saved or not better:
         notes.append(f"{level}: {why}; using level 0's plan (no plan among {how} peaks lower)")
         return level0, TIEBREAK, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
     notes.append(f"{level}: {why}; using the plan of least simulated peak among {how}: saved "
                  f"{chosen.nbytes} bytes, simulated peak {chosen.peak} bytes (level 0's plan: {first.nbytes} bytes, "
                  f"{first.peak})")
     return list(chosen.saved), chosen.lam, least_final
+
+
+def _scalar(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return val is not None and hasattr(val, "numel") and val.dim() == 0
 
 
 def _layerwise(ctx: PlanContext, must_save: set[fx.Node], problem) -> list[list[fx.Node]]:
