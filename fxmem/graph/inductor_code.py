@@ -10,7 +10,7 @@ source_code``), so the report reads Inductor's schedule from there:
 - ``buf = torch.ops...(...)`` (an extern kernel that returns its output): an allocation at the
   call of the size its ``assert_size_stride`` states (or of each ``buf[i]`` item's, for several
   outputs), in the dtype of the FX node it came from (named in the ``Source Nodes`` comment
-  above the call; Inductor does not print it), else of its first tensor argument;
+  above the call; Inductor does not print it), else of its first floating-point argument;
 - ``a = b`` and ``a = reinterpret_tensor(b, ...)``: another name for ``b``'s storage;
 - ``del name``: one name fewer; the storage is freed when no name is left;
 - the inputs: ``counted`` ones (a backward's kept values and incoming gradients) exist when the
@@ -86,6 +86,13 @@ def _resolve(func: str) -> object:
         if obj is None:
             return None
     return obj
+
+
+def _dtypes(out: object) -> object:
+    """An op's outputs as their dtypes, in the same structure."""
+    if isinstance(out, torch.Tensor):
+        return out.dtype
+    return [_dtypes(o) for o in out] if isinstance(out, (list, tuple)) else None
 
 
 def _dtype(val: object) -> torch.dtype | None:
@@ -172,16 +179,30 @@ class _Reader:
             target, val = self.outputs.get(name, ("", None))
             if target and target in func and val is not None:
                 return val
-        if "run_and_save_rng_state" in func:  # (the generator's state, the random op's outputs)
-            return [torch.uint8, self.first_dtype(call)]
+        op = _resolve(func)
+        if op is not None:  # run it on fake tensors of its arguments: its outputs' dtypes
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            try:
+                args = [self.value(a) for a in call.args]
+                kwargs = {k.arg: self.value(k.value) for k in call.keywords}
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    if "rng_state" in func:  # a random op's replay: its op's outputs (after the state)
+                        out = args[1](*args[2:], **kwargs) if "run_with" in func else \
+                            [torch.empty(0, dtype=torch.uint8), args[0](*args[1:], **kwargs)]
+                    else:
+                        out = op(*args, **kwargs)
+                return _dtypes(out)
+            except Exception:  # noqa: BLE001 - an argument it cannot stand in for
+                pass
         return self.first_dtype(call)
 
     def first_dtype(self, call: ast.Call) -> torch.dtype | None:
-        for a in call.args:
-            for n in ast.walk(a):
-                if isinstance(n, ast.Name) and self.dtype.get(n.id) is not None:
-                    return self.dtype[n.id]
-        return None
+        """The dtype of the call's first floating-point tensor argument (indices and masks are
+        not what a kernel returns), else of its first tensor argument."""
+        found = [self.dtype[n.id] for a in call.args for n in ast.walk(a)
+                 if isinstance(n, ast.Name) and self.dtype.get(n.id) is not None]
+        return next((d for d in found if d.is_floating_point), found[0] if found else None)
 
     def extern(self, func: str, call: ast.Call) -> None:
         """An extern kernel's own buffers: fxmem's scratch model of the op on these arguments
