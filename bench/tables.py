@@ -270,7 +270,7 @@ def _zoo_notes(records: Records) -> list[str]:
         out[0] += (f"; lowering never raised the peak (levels 0, 1, 2) on {count('lowering_no_raise')}, and with "
                    f"lowering off levels 1 and 2 were at most level 0 on {within} of {len(off)}")
     out[0] += "."
-    problems = [f"- {r['model']}, {lb}: {'; '.join(_listed(c + 'problems')(r))}"
+    problems = [f"- {r['model']}, {lb}: {'; '.join(_listed(c + 'problems')(r))[:240]}"
                 for r, c, lb in cells if _listed(c + "problems")(r)]
     return out + (["", "Problems:", *problems] if problems else [])
 

@@ -10,6 +10,7 @@ import pytest
 from fxmem import lowering
 from fxmem.lowering import patterns
 from fxmem.options import resolve
+from fxmem.remat.budget import SLACK
 from fxmem.remat.settings import PlanSettings
 from fxmem.testing import zoo
 from fxmem.testing.lowering import dynamo_graph, planned_peak, planned_peaks
@@ -28,7 +29,9 @@ def test_proven_lowerings_never_raise_the_planned_peak(name):
         assert {x.pattern for x in lowered.lowered} <= {"rms_norm", "layer_norm"}
         proven = planned_peak(lowered_gm, inputs, PlanSettings.of(opts))
         plain = planned_peak(gm, inputs, PlanSettings.of(resolve({"inner": "eager", "level": level})))
-        assert proven <= plain, (name, level, proven, plain)
+        # simulated peaks within SLACK (1e-4) count as equal: a level may take the plan of least
+        # recompute among them (gemma2 at level 1: 3 bytes in 270,600)
+        assert proven <= plain * (1 + SLACK), (name, level, proven, plain)
 
 
 def _ratio(vocab: int, hidden: int, tokens: int) -> float:
