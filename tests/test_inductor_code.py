@@ -99,3 +99,23 @@ def test_inductor_steps_are_predicted_from_inductors_own_buffers(level):
     # fxmem's own simulation of the split graphs (one buffer per node) is what it replaces
     planned = next(p for c in fxmem.compilations(compiled) for p in c.graphs)
     assert abs(planned.peak() / perf.result.peak_bytes - 1) > abs(rep.predict_peak() / perf.result.peak_bytes - 1)
+
+
+@pytest.mark.slow
+def test_inductor_predictions_hold_at_another_batch_under_bf16_autocast():
+    """Compiled dynamic at batch 4, stepped at batch 8: the schedule read from Inductor's code is
+    in the graph's symbols (its sizes, and the kernels' temporaries scaled with the batch)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="fxmem", dynamic=True, options={"inner": "inductor", "level": 1})
+    for batch in (4, 8):
+        x, y = torch.randn(batch, 32, 64), torch.randint(0, 10, (batch, 32))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with step_perf("cpu") as perf, torch.autocast("cpu", dtype=torch.bfloat16):
+                compiled(x, y).backward()
+        rep = fxmem.report(compiled)
+        assert len(rep.graphs) == 1  # one dynamic compile serves both
+        predicted = rep.predict_peak(x=(batch, 32, 64))
+        assert abs(predicted / perf.result.peak_bytes - 1) <= 0.05, (batch, predicted, perf.result.peak_bytes)

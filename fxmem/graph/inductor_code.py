@@ -17,8 +17,9 @@ source_code``), so the report reads Inductor's schedule from there:
   graph starts and are freed at their ``del``; the others (parameters, the batch) are not counted;
 - an extern kernel's own buffers, allocated and freed around the call: a CPU convolution's
   scratch measured for the layouts Inductor gives it (``graph.measured``: oneDNN's reorders
-  depend on them, and Inductor picks channels-last where eager would not); another op's from
-  fxmem's scratch model of the FX node it came from (named in the ``Source Nodes`` comment).
+  depend on them, and Inductor picks channels-last where eager would not), scaled with the
+  batch; another op's from fxmem's scratch formula of the FX node it came from (named in the
+  ``Source Nodes`` comment), else from its model of the op on the call's arguments.
 
 Events are ``(kind, name, bytes formula)`` as ``graph.liveness.walk`` makes them, in the
 symbols of the graph's shape environment (Inductor prints the same ``s0``-style names), so
@@ -205,9 +206,12 @@ class _Reader:
         return next((d for d in found if d.is_floating_point), found[0] if found else None)
 
     def extern(self, func: str, call: ast.Call) -> None:
-        """An extern kernel's own buffers: fxmem's scratch model of the op on these arguments
-        (a fake tensor each, in the layouts Inductor gives them), else of the FX node it came
-        from."""
+        """An extern kernel's own buffers: fxmem's scratch formula of the FX node it came from
+        (in the graph's symbols), else fxmem's scratch model of the op on these arguments (a
+        fake tensor each, in the layouts Inductor gives them: a measured convolution's reorders
+        depend on them), at the compiled shape, scaled with the first argument's first dimension
+        (the batch: a per-example temporary)."""
+        from .measured import MEASURED
         from .scratch import op_scratch
 
         op, nodes, keywords = _resolve(func), list(call.args), {k.arg: k.value for k in call.keywords}
@@ -215,22 +219,33 @@ class _Reader:
             op, keywords = torch.ops.aten.convolution.default, {}
             nodes = nodes[:2] + [{k.arg: k.value for k in call.keywords}.get(k, ast.Constant(None))
                                  for k in _CONVOLUTION[2:]]
-        if op is not None:
-            try:
-                args = [self.value(a) for a in nodes]
-                kwargs = {k: self.value(v) for k, v in keywords.items()}
-                nbytes = op_scratch(op, args, kwargs, None)
-            except Exception:  # noqa: BLE001 - an argument it cannot stand in for: the node's scratch
-                nbytes = None
-            if nbytes is not None:
-                if nbytes != 0:
-                    self.events += [("alloc", f"{func}.scratch", nbytes), ("free", f"{func}.scratch", nbytes)]
-                return
-        for name in self.origins:
-            target, nbytes = self.scratch.get(name, ("", 0))
-            if target and target in func:
-                self.events += [("alloc", f"{name}.scratch", nbytes), ("free", f"{name}.scratch", nbytes)]
-                return
+        if op not in MEASURED:
+            for name in self.origins:
+                target, nbytes = self.scratch.get(name, ("", 0))
+                if target and target in func:
+                    self.events += [("alloc", f"{name}.scratch", nbytes), ("free", f"{name}.scratch", nbytes)]
+                    return
+        if op is None:
+            return
+        try:
+            args = [self.value(a) for a in nodes]
+            kwargs = {k: self.value(v) for k, v in keywords.items()}
+            nbytes = op_scratch(op, args, kwargs, None)
+            batch = self.batch(nodes[0]) if nodes else None
+        except Exception:  # noqa: BLE001 - an argument it cannot stand in for: not counted
+            return
+        if nbytes != 0:
+            if batch is not None and batch.free_symbols:  # on the compiled batch's fake tensors
+                nbytes = nbytes * batch / int(batch.xreplace({x: self.values[x.name] for x in batch.free_symbols}))
+            self.events += [("alloc", f"{func}.scratch", nbytes), ("free", f"{func}.scratch", nbytes)]
+
+    def batch(self, a: ast.AST) -> sympy.Expr | None:
+        """The first dimension of a tensor argument, as a formula."""
+        if isinstance(a, ast.Call) and _dotted(a.func) in _VIEW and isinstance(a.args[1], ast.Tuple):
+            return self.expr(a.args[1].elts[0]) if a.args[1].elts else None
+        if isinstance(a, ast.Name) and self.layout.get(a.id, ([], []))[0]:
+            return self.layout[a.id][0][0]
+        return None
 
     def value(self, a: ast.AST) -> object:
         """A call's argument as the op would see it: a fake CPU tensor of the buffer's shape,
