@@ -310,12 +310,9 @@ class MemoryReport:
         return self._chained(lambda g: _values_where_named(g, shapes))
 
     def _chained(self, values_of: Callable[[GraphReport], dict[str, int]]) -> int:
-        parts = {}
-        for i in self.step or [len(self.graphs) - 1]:
-            if i not in parts:
-                g = self.graphs[i]
-                parts[i] = Phases.of(g, values_of(g))
-        return chained_peak([parts[i] for i in self.step or [len(self.graphs) - 1]])
+        order = self.step or [len(self.graphs) - 1]
+        parts = {i: Phases.of(self.graphs[i], values_of(self.graphs[i])) for i in set(order)}
+        return chained_peak([parts[i] for i in order])
 
     def peak_breakdown(self, **shapes: Any) -> dict:
         """Tensors alive at the predicted peak at the given input shapes (latest graph); see
@@ -478,11 +475,8 @@ def inner_schedules(rep: GraphReport, graph: "PlannedGraph") -> GraphReport:
                   "fxmem's simulation", type(e).__name__, e)
         return rep
     if "backward" in changes:
-        placeholders = {n.name for n in graph.split.bw.graph.find_nodes(op="placeholder")}
-        taken = [(n, e) for k, n, e in _events(changes["backward"]) if k == "alloc" and n in placeholders]
-        add = lambda terms: str(sympy.Add(*terms, sympy.Integer(0)))  # noqa: E731
-        changes["crossing"] = {**rep.crossing, "kept": add(e for n, e in taken if not n.startswith("tangents")),
-                               "tangents": add(e for n, e in taken if n.startswith("tangents"))}
+        taken = _taken(graph.split, _events(changes["backward"]))
+        changes["crossing"] = {**rep.crossing, **{k: str(v) for k, v in taken.items()}}
     return replace(rep, **changes) if changes else rep
 
 
@@ -490,11 +484,20 @@ def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, symp
     """``GraphReport.crossing``: the backward's counted placeholders (kept values and tangents, as
     its schedule allocates them), the forward's outputs it does not keep, the backward's outputs."""
     placeholders = {n.name for n in split.bw.graph.find_nodes(op="placeholder")}
-    taken = [(n, e) for k, n, e in bw if k == "alloc" and n in placeholders]
     fw_out = {n for n in split.fw.graph.output_node().all_input_nodes if n.name not in placeholders}
     bw_out = set(split.bw.graph.output_node().all_input_nodes)
-    add = lambda terms: sympy.Add(*terms, sympy.Integer(0))  # noqa: E731
-    return {"kept": add(e for n, e in taken if not n.startswith("tangents")),
-            "tangents": add(e for n, e in taken if n.startswith("tangents")),
-            "outputs": add(nbytes(n) for n in fw_out if n.op != "placeholder"),
-            "gradients": add(sizes.nbytes(n) for n in bw_out)}
+    return {**_taken(split, bw), "outputs": _sum(nbytes(n) for n in fw_out if n.op != "placeholder"),
+            "gradients": _sum(sizes.nbytes(n) for n in bw_out)}
+
+
+def _taken(split, bw: list[Event]) -> dict[str, sympy.Expr]:
+    """The kept values and the tangents the backward's schedule ``bw`` allocates at its start
+    (its counted placeholders)."""
+    placeholders = {n.name for n in split.bw.graph.find_nodes(op="placeholder")}
+    taken = [(n, e) for k, n, e in bw if k == "alloc" and n in placeholders]
+    return {"kept": _sum(e for n, e in taken if not n.startswith("tangents")),
+            "tangents": _sum(e for n, e in taken if n.startswith("tangents"))}
+
+
+def _sum(terms) -> sympy.Expr:
+    return sympy.Add(*terms, sympy.Integer(0))
