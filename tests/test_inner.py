@@ -87,3 +87,36 @@ def test_softmax_backwards_write_into_dead_gradient():
     assert reuse_dead_buffers(gm) == 2
     for r, o in zip(f(x, g), gm(x, g)):
         assert torch.equal(r, o)
+
+
+def test_dropout_backward_writes_into_dead_gradient_bit_for_bit_with_one_temporary():
+    """``native_dropout_backward`` rewritten to ``grad.mul_(mask).mul_(scale)`` where its gradient
+    dies: the same bits (negative zeros included), and one full-size temporary (the mask's float
+    copy) instead of ATen's result and temporary; the simulator's peak drops by that result."""
+    from fxmem.profiling import step_perf
+
+    def f(x, m):
+        grad = x * 2.0                       # fresh, dies at the backward op
+        return aten.native_dropout_backward(grad, m, 1.25)
+
+    torch.manual_seed(0)
+    x, m = torch.randn(256, 1024), torch.rand(256, 1024) > 0.3
+    gm = _trace(f, x, m)
+    plain = _trace(f, x, m)
+    sizes = SymbolicSizes.of(gm)
+    before = simulate(plain, sizes).peak
+    assert reuse_dead_buffers(gm) == 1
+    got = gm(x, m)
+    want = f(x, m)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert (got.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any()  # negative zeros kept
+    after = simulate(gm, sizes).peak
+    full = x.numel() * 4
+    assert before - after == full
+    measured = []
+    for module in (plain, gm):
+        with step_perf("cpu") as perf:
+            module(x, m)
+        measured.append(perf.result.peak_bytes)
+    # the gradient, then ATen's result and temporary (and a few bytes of its own) / the mask's copy
+    assert 3 * full <= measured[0] < 3 * full + 64 and measured[1] == 2 * full

@@ -56,6 +56,17 @@ def test_lstm_dropout_step_equals_eager():
     _check_level0(zoo_build("lstm", seq=4, dropout=0.1))  # short: AOTAutograd unrolls the LSTM over time
 
 
+@pytest.mark.slow
+def test_mamba_with_its_configs_associative_scan_steps_equal_eager():
+    """The zoo's Mamba pins the eager loop; the config's default, ``associative_scan`` under Dynamo
+    (another algorithm than eager's loop, equal up to rounding), stays covered at levels 0 and 1."""
+    w = zoo_build("mamba", seq=8, associative_scan=True)
+    ref = copy.deepcopy(w.model)
+    reference = ref, eager_step(ref, w)
+    for level in (0, 1):
+        _check(w, {"level": level}, reference)
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in ZOO])
 def test_option_matrix_steps_equal_eager_and_lowering_or_levels_never_raise_the_peak(name):
     w = zoo_build(name, PROFILE)

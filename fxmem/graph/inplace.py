@@ -26,9 +26,17 @@ def _softmax_backward_into_grad(grad, output, dim, dtype):
     return aten._softmax_backward_data.out(grad, output, dim, dtype, grad_input=grad)
 
 
+def _dropout_backward_into_grad(grad, mask, scale):
+    # ATen computes ``grad * mask * scale`` into a new tensor through a temporary: in place, the
+    # same two products in the same order (bit for bit), and only the mask's float copy is
+    # allocated (the scratch model's ``native_dropout_backward`` temporary).
+    return grad.mul_(mask).mul_(scale)
+
+
 # ops whose first argument (the incoming gradient) can receive their result
 INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
-              aten._softmax_backward_data.default: _softmax_backward_into_grad}
+              aten._softmax_backward_data.default: _softmax_backward_into_grad,
+              aten.native_dropout_backward.default: _dropout_backward_into_grad}
 
 # functions whose result is their first argument's storage (liveness: no new allocation)
 WRITES_INTO_FIRST = frozenset(INTO_FIRST.values())

@@ -149,10 +149,18 @@ def qwen2_moe(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, kv_heads=2, e
                     shared_expert_intermediate_size=2 * d, output_router_logits=True)
 
 
-def mamba(batch=2, seq=16, vocab=512, d=32, layers=2, seed=0) -> Workload:
-    """Mamba: the selective scan in plain PyTorch (a loop over the sequence), no CUDA kernels."""
+def mamba(batch=2, seq=16, vocab=512, d=32, layers=2, seed=0, associative_scan=False) -> Workload:
+    """Mamba: the selective scan in plain PyTorch (a loop over the sequence), no CUDA kernels.
+
+    transformers' Mamba runs that loop in eager but switches to torch's ``associative_scan``
+    (``config.use_associative_scan``, on by default) when Dynamo traces it: another algorithm,
+    whose backward holds more (its tree levels and full-size slice gradients). The zoo pins the
+    loop so that the compiled step computes what the eager step and Hugging Face's checkpointing
+    compute; ``associative_scan=True`` builds the config's default (docs/benchmarks.md measures it).
+    """
     return _hf("mamba", "MambaForCausalLM", _tokens(batch, seq, vocab, seed), seed, vocab_size=vocab,
-               hidden_size=d, state_size=8, num_hidden_layers=layers, use_cache=False)
+               hidden_size=d, state_size=8, num_hidden_layers=layers, use_cache=False,
+               use_associative_scan=associative_scan)
 
 
 def whisper(batch=2, frames=32, mels=16, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0) -> Workload:
