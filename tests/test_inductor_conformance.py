@@ -1,5 +1,5 @@
 """The Inductor inner compiler (the default) held to the eager one's bar: a BatchNorm conv net, a
-Hugging Face decoder and an encoder with dropout on, at levels 0 and 1 and under a memory budget,
+GroupNorm one, a Hugging Face decoder and an encoder with dropout on, at levels 0 and 1 and under a memory budget,
 over two steps whose shapes change (a dynamic recompile). Losses, gradients and buffers are
 compared with the same graph run without recompute (fxmem's lowering, a plain partition, the
 eager inner compiler), under ``fallback_random`` so that both draw the same dropout masks.
@@ -33,6 +33,17 @@ class ConvBN(nn.Module):
         return F.cross_entropy(self.head(x.mean((2, 3))), labels)
 
 
+class ConvGN(ConvBN):
+    """The same stages with GroupNorm (diffusion UNets' norm): its gradient reads the weight viewed
+    as ``(1, groups, channels // groups, 1)``, which Inductor's channels-last layout once copied
+    and the backward read in the wrong order (``remat.split.input_view_bases``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList([nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU())
+                                     for c in (3, 8)])
+
+
 def _convnet(batch: int, size: int):
     g = torch.Generator().manual_seed(batch * 100 + size)
     return {"x": torch.randn(batch, 3, size, size, generator=g), "labels": torch.randint(0, 5, (batch,), generator=g)}
@@ -47,6 +58,7 @@ def _hf(name: str, **kw):
 
 MODELS = {
     "convnet_bn": (lambda: ConvBN(), _convnet),
+    "convnet_gn": (lambda: ConvGN(), _convnet),
     "hf_gpt2_dropout": _hf("hf_gpt2", layers=2, vocab=512, d=32, heads=2, dropout=0.1),
     "hf_bert": _hf("hf_bert", layers=2, vocab=1200, d=32, heads=2, dropout=0.1),
 }

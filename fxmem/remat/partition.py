@@ -182,7 +182,7 @@ class Partitioner(CustomPartitionerFn):
         log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
                   chosen.level, len(chosen.saved), chosen.saved_bytes)
         try:
-            result = split(joint, chosen.saved)
+            result = split(joint, chosen.saved, settings.target.input_views)
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)
@@ -192,12 +192,11 @@ class Partitioner(CustomPartitionerFn):
         self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names())))
         return fw, bw
 
-    @staticmethod
-    def _safe(gm: fx.GraphModule, num_fwd_outputs: int):
+    def _safe(self, gm: fx.GraphModule, num_fwd_outputs: int):
         """The safe plan: keep every forward value the backward reads (a plain partition)."""
         unmark(gm)
         joint = JointGraph.of(gm, num_fwd_outputs)
-        result = split(joint, joint.default_saved())
+        result = split(joint, joint.default_saved(), self.settings.target.input_views)
         return result.fw, result.bw
 
     def __deepcopy__(self, memo: dict) -> "Partitioner":

@@ -23,10 +23,12 @@ from .split import Split
 class Target:
     """The inner compiler's memory model. ``reuses_buffers``: elementwise ops write into a dead
     intermediate (the eager inner compiler's ``reuse_dead_buffers``; Inductor reuses buffers by
-    its own rules): the simulator counts that reuse. :meth:`finish` turns a split into the graphs
-    the inner compiler gets."""
+    its own rules): the simulator counts that reuse. ``input_views``: the forward may hand views
+    of its inputs to the backward (Inductor: not, ``split.input_view_bases``). :meth:`finish`
+    turns a split into the graphs the inner compiler gets."""
     name: str
     reuses_buffers: bool
+    input_views: bool
 
     def finish(self, split: Split) -> tuple[fx.GraphModule, fx.GraphModule]:
         """The forward and backward graphs for the inner compiler. Eager: the split's own graphs
@@ -39,8 +41,8 @@ class Target:
         return split.fw, for_inductor(split.bw, {n.name for n in split.recomputed})
 
 
-EAGER = Target("eager", reuses_buffers=True)
-INDUCTOR = Target("inductor", reuses_buffers=False)
+EAGER = Target("eager", reuses_buffers=True, input_views=True)
+INDUCTOR = Target("inductor", reuses_buffers=False, input_views=False)
 TARGETS = {t.name: t for t in (EAGER, INDUCTOR)}
 
 

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
+from .allowlist import is_view
 from .replay import bind_states
 
 
@@ -171,8 +172,31 @@ def handoff(joint: JointGraph, saved: set[fx.Node], order: dict[fx.Node, int],
     return recomputed, tensors, sorted(syms, key=order.__getitem__)
 
 
-def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
+def input_view_bases(joint: JointGraph, saved: set[fx.Node]) -> set[fx.Node]:
+    """``saved`` with each view of a graph input (a chain of view ops from a primal: a norm's
+    weight reshaped to ``(1, groups, channels // groups, 1)``) replaced by that input; the
+    backward redoes the view. Same bytes: an input's views keep no storage of their own.
+
+    For Inductor: with its layout optimization (convolution graphs) it returns every 4-D saved
+    output in channels-last strides, a view of an input as a channels-last copy, and the backward
+    restrided to match. A backward op whose meaning depends on its input's strides
+    (``as_strided``, which a group norm's gradient decomposes into) then read that copy in the
+    wrong order: every gradient of a diffusers ``UNet2DModel`` was wrong. Inputs keep their
+    layout, so the backward sees the strides it was traced with."""
+    inputs = set(joint.primals)
+    out = set()
+    for n in saved:
+        base = n
+        while base.op == "call_function" and is_view(base) and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        out.add(base if base in inputs and base is not n else n)
+    return out
+
+
+def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: bool = True) -> Split:
     """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
+    ``input_views=False``: views of graph inputs are redone in the backward from the input
+    (:func:`input_view_bases`).
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
@@ -180,7 +204,7 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node]) -> Split:
     replay its generator (see ``replay``).
     """
     order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
-    saved = set(saved)
+    saved = set(saved) if input_views else input_view_bases(joint, set(saved))
     bad = [n.name for n in saved if n in joint.backward or n.op == "output" or is_multi_output(n)]
     if bad:
         raise InvalidSavedSet(f"saved set holds nodes that are backward-only or tuples: {', '.join(bad)}")
