@@ -60,6 +60,32 @@ def test_the_wrapper_code_gives_allocations_reuse_and_frees_in_order():
     assert fresh == [True, True, True, False]  # the returned input is not this graph's storage
 
 
+def test_an_item_outlives_its_del_while_its_calls_result_holds_it():
+    """``buf1 = buf0[0]; del buf1`` frees nothing while ``buf0`` (the call's result, a tuple) is
+    alive: Inductor deletes the tuple later (measured on an MoE backward, where it held an
+    expert's gradient through the next expert's kernels)."""
+    code = '''
+class Runner:
+    def call(self, args):
+        x_1, = args
+        args.clear()
+        buf0 = torch.ops.aten.some_op.default(x_1)
+        buf1 = buf0[0]
+        assert_size_stride(buf1, (16, ), (1, ), 'torch.ops.aten.some_op.default')
+        del buf1
+        buf2 = empty_strided_cpu((8, ), (1, ), torch.float32)
+        buf3 = buf0[1]
+        assert_size_stride(buf3, (4, ), (1, ), 'torch.ops.aten.some_op.default')
+        del buf0
+        buf4 = empty_strided_cpu((2, ), (1, ), torch.float32)
+        return (buf2, buf3, buf4)
+'''
+    events, _ = schedule(code, {"x_1": sympy.Integer(64)}, {"x_1": torch.float32}, set())
+    assert [(k, n) for k, n, _ in events] == [
+        ("alloc", "buf1"), ("alloc", "buf3"), ("alloc", "buf2"), ("free", "buf1"), ("alloc", "buf4"),
+        ("free", "buf2"), ("free", "buf3"), ("free", "buf4")]
+
+
 def test_an_unreadable_statement_is_a_code_error_and_the_report_keeps_its_simulation():
     with pytest.raises(CodeError, match="cannot parse"):
         _events(WRAPPER.replace("del buf3", "del buf3 ("))

@@ -129,6 +129,11 @@ class _Reader:
         # state their sizes)
         self.pending: dict[str, tuple[object, int]] = {}
         self.tuples: dict[str, tuple[object, int]] = {}   # the calls, for their items
+        # A call's result holds its items until it is deleted, whatever names of them are deleted
+        # first (``buf26 = buf25[0]; ...; del buf26; ...; del buf25``): item -> its call's name,
+        # and a call's name -> the items it holds.
+        self.item_of: dict[str, str] = {}
+        self.held: dict[str, list[str]] = {}
         self.subs: dict[sympy.Symbol, sympy.Expr] = {}
         self.events: list[Event] = []
         self.inputs: set[str] = set()
@@ -151,8 +156,13 @@ class _Reader:
 
     def drop(self, name: str) -> None:
         root = self.storage.pop(name, None)
-        if root is None:
-            return
+        if root is not None:
+            self.unref(root)
+        self.tuples.pop(name, None)
+        for item in self.held.pop(name, ()):  # a call's result deleted: its items' last holder
+            self.unref(item)
+
+    def unref(self, root: str) -> None:
         self.refs[root] -= 1
         if self.refs[root] == 0:
             self.events.append(("free", root, self.size[root]))
@@ -290,6 +300,10 @@ class _Reader:
                 if name in self.pending:
                     val, at = self.pending.pop(name)
                     self.sized(name, call.args[1], call.args[2], _dtype(val), at)
+                    call_name = self.item_of.pop(name, None)
+                    if call_name in self.tuples:  # still held by the call's result
+                        self.refs[name] += 1
+                        self.held.setdefault(call_name, []).append(name)
                 elif name not in self.layout and all(isinstance(t, ast.Tuple) for t in call.args[1:3]):
                     self.layout[name] = ([self.expr(e) for e in call.args[1].elts],
                                          [self.expr(e) for e in call.args[2].elts])  # an input's
@@ -322,6 +336,7 @@ class _Reader:
                 for i in path:  # the item's value, where the node's is a structure
                     val = val[i] if isinstance(val, (list, tuple)) and i < len(val) else val
                 self.pending[name] = (val, at)  # sized by its assert_size_stride
+                self.item_of[name] = base
             elif isinstance(value, ast.Call):
                 func = _dotted(value.func)
                 if _ALLOC.match(func):
