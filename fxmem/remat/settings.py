@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..graph.reuse import reuse_dead_buffers
 from ..options import Options, Rule
-from .fences import for_inductor
+from .fences import for_inductor, random_in_order
 from .split import Split
 
 
@@ -33,12 +33,13 @@ class Target:
     def finish(self, split: Split) -> tuple[fx.GraphModule, fx.GraphModule]:
         """The forward and backward graphs for the inner compiler. Eager: the split's own graphs
         with dead buffers reused in place (what runs is what the report reads). Inductor: the
-        backward copied with its fences (``remat.fences``: recomputation runs where it is needed)."""
+        backward copied with its fences (``remat.fences``: recomputation runs where it is needed),
+        the forward copied with its random ops in order where it has several."""
         if self.reuses_buffers:
             reuse_dead_buffers(split.fw)
             reuse_dead_buffers(split.bw)
             return split.fw, split.bw
-        return split.fw, for_inductor(split.bw, {n.name for n in split.recomputed})
+        return random_in_order(split.fw), for_inductor(split.bw, {n.name for n in split.recomputed})
 
 
 EAGER = Target("eager", reuses_buffers=True, input_views=True)
