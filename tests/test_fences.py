@@ -94,6 +94,32 @@ def test_a_gradient_matmul_summed_with_a_later_gradient_is_kept_out_of_addmm():
         assert torch.equal(a, b)
 
 
+def test_a_chain_of_matmul_products_is_summed_by_addmms_as_each_arrives():
+    """A weight applied at several places: its gradient is a chain of adds of matmul products
+    (read through transposes, as AOTAutograd hands them). Each add becomes ``addmm`` into the
+    partial sum, so no product waits for the last one (Inductor fused the chain into one kernel
+    after the last matmul: an LSTM held all 16 products); a transposed product is multiplied in
+    the other order. A sum whose other operand is not a sum of products is left alone."""
+    from fxmem.remat.fences import accumulate_matmul_sums
+
+    def backward(a1, b1, a2, b2, a3, b3, c):
+        s = aten.add.Tensor(aten.t.default(aten.t.default(aten.mm.default(a1, b1))),
+                            aten.t.default(aten.t.default(aten.mm.default(a2, b2))))
+        s = aten.add.Tensor(s, aten.t.default(aten.mm.default(b3, a3)))  # (b3 @ a3).T
+        other = aten.add.Tensor(aten.mm.default(a1, b2), aten.mul.Tensor(c, 2.0))
+        return s, other
+
+    torch.manual_seed(0)
+    args = [torch.randn(8, 8) for _ in range(7)]
+    gm = make_fx(backward)(*args)
+    want = gm(*args)
+    assert accumulate_matmul_sums(gm) == 2
+    assert len(_calls(gm, aten.addmm.default)) == 2 and len(_calls(gm, aten.add.Tensor)) == 1
+    assert len(_calls(gm, aten.mm.default)) == 2  # the chain's first product (its bias) and other's
+    for a, b in zip(want, gm(*args)):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
 def test_a_tied_embedding_gradient_is_scattered_into_the_heads():
     """``head + scatter(zeros, ids, rows)`` (the embedding's gradient summed with the head's):
     the scatter goes into the head's gradient, with no third buffer."""

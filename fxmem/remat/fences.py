@@ -66,6 +66,7 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
     regenerate_random(gm, recomputed)
     scatter_into_sums(gm)
     extern_scatter_sums(gm)
+    accumulate_matmul_sums(gm)
     deps = {**_recompute_fences(gm, recomputed), **_early_matmuls(gm)}
     if deps:
         preserve_node_ordering(gm.graph, deps)
@@ -191,6 +192,87 @@ def _early_matmuls(bw: fx.GraphModule) -> dict[fx.Node, OrderedSet[fx.Node]]:
                     and (i := bisect.bisect_right(heavy, pos[mm])) < len(heavy) and heavy[i] < pos[other]):
                 deps[n] = OrderedSet([mm])
     return deps
+
+
+_SAME_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
+
+
+def _matmul_product(x: fx.Node) -> tuple[fx.Node, bool] | None:
+    """``(mm, transposed)`` where ``x`` is a matmul's product read through 2-D transposes and
+    views that keep its shape, each read by nothing else; else None."""
+    transposed = False
+    while not (x.op == "call_function" and x.target is aten.mm.default):
+        if x.op != "call_function" or len(x.users) != 1 or not x.args or not isinstance(x.args[0], fx.Node):
+            return None
+        val, arg = x.meta.get("val"), x.args[0].meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor)):
+            return None
+        shape, source = val.shape, arg.shape
+        if x.target is aten.t.default and len(shape) == 2:
+            transposed = not transposed
+        elif x.target is aten.transpose.int and len(shape) == 2:
+            transposed ^= x.args[1] % 2 != x.args[2] % 2
+        elif x.target is aten.permute.default and len(shape) == 2:
+            transposed ^= [d % 2 for d in x.args[1]] == [1, 0]
+        elif x.target not in _SAME_SHAPE_VIEWS or shape != source:
+            return None
+        x = x.args[0]
+    return (x, transposed) if len(x.users) == 1 else None
+
+
+def _like(v: object, val: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.shape == val.shape and v.dtype == val.dtype
+
+
+def accumulate_matmul_sums(bw: fx.GraphModule) -> int:
+    """``add(s, mm(a, b))``, ``s`` a sum of matmul products ready before the matmul ->
+    ``addmm(s, a, b)`` (rewrites ``bw`` in place); returns how many.
+
+    A weight applied at many places (an RNN's time steps, a shared layer) gets its gradient as a
+    chain of such adds. Inductor fused the whole chain into one kernel after the last matmul, so
+    every product stayed alive until then: an LSTM of 16 steps held 16 weight-sized products
+    (405 KiB against eager's 204). An ``addmm`` is an extern kernel: each partial sum is written
+    as its product arrives (the sum in the same order; the matmul adds into it, equal up to
+    float rounding as Inductor's own fusions are)."""
+    pos = {n: i for i, n in enumerate(bw.graph.nodes)}
+    links: dict[fx.Node, tuple] = {}  # add -> (product, mm, transposed), in graph order
+    for n in bw.graph.nodes:
+        if not (n.op == "call_function" and n.target is aten.add.Tensor and not n.kwargs and len(n.args) == 2
+                and all(isinstance(a, fx.Node) for a in n.args)):
+            continue
+        val = n.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.dim() == 2 and val.is_floating_point()
+                and all(_like(a.meta.get("val"), val) for a in n.args)):
+            continue
+        for product, partial in (n.args[::-1], n.args):
+            found = _matmul_product(product)
+            source = _source(partial)
+            if found is not None and (source in links or _matmul_product(partial) is not None) \
+                    and pos[source] < pos[found[0]]:
+                links[n] = (product, *found)
+                break
+    for n in links:  # in graph order: a link's partial sum is rewritten before it
+        product, mm, transposed = links[n]
+        partial = n.args[0] if n.args[1] is product else n.args[1]  # an earlier link rewritten: its addmm
+        a, b = mm.args
+        with bw.graph.inserting_before(n):
+            if transposed:  # (a @ b).T = b.T @ a.T
+                a, b = (bw.graph.call_function(aten.t.default, (x,)) for x in (b, a))
+                for t, x in zip((a, b), mm.args[::-1]):
+                    t.meta["val"] = x.meta["val"].t()
+            new = bw.graph.call_function(aten.addmm.default, (partial, a, b))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        bw.graph.erase_node(n)
+        while product is not mm:  # the product's views, then the matmul: now unread
+            up = product.args[0]
+            bw.graph.erase_node(product)
+            product = up
+        bw.graph.erase_node(mm)
+    if links:
+        bw.graph.lint()
+        bw.recompile()
+    return len(links)
 
 
 @torch.library.custom_op("fxmem::scatter_add_into_zeros", mutates_args=("values",))
