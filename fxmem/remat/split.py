@@ -181,8 +181,9 @@ def input_view_bases(joint: JointGraph, saved: set[fx.Node]) -> set[fx.Node]:
     output in channels-last strides, a view of an input as a channels-last copy, and the backward
     restrided to match. A backward op whose meaning depends on its input's strides
     (``as_strided``, which a group norm's gradient decomposes into) then read that copy in the
-    wrong order: every gradient of a diffusers ``UNet2DModel`` was wrong. Inputs keep their
-    layout, so the backward sees the strides it was traced with."""
+    wrong order: every gradient of a diffusers ``UNet2DModel`` was wrong. Handed over itself, the
+    input (a norm's 1-D weight: no layout to change) is viewed again in the backward with the
+    strides the graph was traced with."""
     inputs = set(joint.primals)
     out = set()
     for n in saved:
