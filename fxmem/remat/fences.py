@@ -45,6 +45,7 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch._prims.rng_prims import run_and_save_rng_state
 from torch.utils._ordered_set import OrderedSet
 
+from ..graph.joint import is_random
 from .allowlist import HEAVY, is_view, kind
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -91,8 +92,6 @@ def random_in_order(fw: fx.GraphModule) -> fx.GraphModule:
     ``control_deps``. Each draws from the global generator, so their order is their numbers:
     Inductor ordered the two forms apart (the replayable one is a higher-order op), and under
     ``fallback_random`` a T5 step drew other masks than eager's (loss 6.8692 against 6.8398)."""
-    from ..graph.joint import is_random
-
     def drawing(n: fx.Node) -> bool:
         return n.op == "call_function" and (is_random(n) or n.target is run_and_save_rng_state)
 
