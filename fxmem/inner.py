@@ -51,12 +51,18 @@ def eager(gm: fx.GraphModule, example_inputs: Any):
     return box
 
 
+def inductor_patches(layout: bool | None) -> dict[str, Any]:
+    """Inductor config patches for fxmem's compiles: ``layout`` (``Options.inductor_layout``)
+    sets ``layout_optimization`` where it is not None."""
+    return {} if layout is None else {"layout_optimization": layout}
+
+
 def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partition_fn: Any,
-                  on_code: Callable[[str, str], None] | None = None):
+                  on_code: Callable[[str, str], None] | None = None, layout: bool | None = None):
     """A training graph: AOTAutograd with ``partition_fn`` (fxmem's partitioner), then the inner
     compiler (``"eager"`` or ``"inductor"``) on the forward and backward graphs. ``on_code(kind,
     source)``: Inductor's wrapper code of the ``"forward"`` and, when it is compiled (at the first
-    backward for static shapes), the ``"backward"``."""
+    backward for static shapes), the ``"backward"``; ``layout``: ``inductor_patches``."""
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
@@ -70,7 +76,8 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
     # backward orders its kernels with control_deps (``remat.fences``), which Inductor's cache
     # refuses unless marked: its subgraphs are submodules, pickled into the key like the graph.
     cacheable = {**inductor_config.unsafe_marked_cacheable_functions, CONTROL_DEPS: torch.__version__}
-    patches = {"custom_partitioner_fn": partition_fn, "unsafe_marked_cacheable_functions": cacheable}
+    patches = {"custom_partitioner_fn": partition_fn, "unsafe_marked_cacheable_functions": cacheable,
+               **inductor_patches(layout)}
     with functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=_reading_code(on_code))
 
@@ -100,7 +107,8 @@ def compile_safe(gm: fx.GraphModule, example_inputs: list):
     return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=default_partition)(gm, example_inputs)
 
 
-def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any, rewrite: Any = None):
+def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any, rewrite: Any = None,
+                 layout: bool | None = None):
     """A graph that runs without an outer backward (a per-example chunk): AOTAutograd traces its
     flat aten graph; ``rewrite`` (ghost norms, optional) runs on it before Inductor's
     decompositions, ``plan`` (the recompute plan of the inner backward) after them; then the
@@ -118,9 +126,10 @@ def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any
     def inner_compile(g, ins, **kwargs):
         return compile_fx_inner(plan(g), ins, **kwargs)
 
+    patches = inductor_patches(layout)
     if rewrite is None:
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     def fw(g, ins):
-        return make_boxed_func(compile_fx(rewrite(g), ins, inner_compile=inner_compile))
+        return make_boxed_func(compile_fx(rewrite(g), ins, inner_compile=inner_compile, config_patches=patches))
 
     return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)

@@ -111,3 +111,48 @@ def test_dropouts_replayed_and_kept_draw_eagers_masks_in_eagers_order():
     with torch._inductor.config.patch(fallback_random=True):
         result = conform(w, {"level": 0, "inner": "inductor"}, reference)
     assert not result.fallbacks and not result.mismatches, result.mismatches[:2]
+
+
+class PatchEmbed(nn.Module):
+    """A ViT's front: a strided convolution cuts the image into patches, then a linear head.
+    Inductor converts conv graphs to channels-last on CPU (and on GPU where convolutions
+    dominate) and keeps the converted pixels and weight for the backward besides the originals."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 16, 4, stride=4)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.head(self.patch(x).flatten(2).mean(2)), labels)
+
+
+def test_memory_levels_keep_the_callers_layout_under_inductor():
+    """Level 1 turns Inductor's layout optimization off (``Options.inductor_layout``): its step
+    peaks below level 1 with the optimization forced on, gives the same step (loss, gradients)
+    and is predicted within 5%; a bad value is an error naming the option."""
+    import fxmem
+    from fxmem.profiling import step_perf
+    torch.manual_seed(0)
+    ref = PatchEmbed()
+    inputs = _convnet(4, 32)
+    peaks, grads, losses = {}, {}, {}
+    for name, layout in (("default", {}), ("forced", {"layout_optimization": True})):
+        model = copy.deepcopy(ref)
+        compiled = torch.compile(model, backend="fxmem", options={"level": 1, **layout})
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with step_perf("cpu") as perf:
+                loss = compiled(**inputs)
+                loss.backward()
+        peaks[name], losses[name] = perf.result.peak_bytes, loss.detach()
+        grads[name] = [p.grad for p in model.parameters()]
+        if name == "default":
+            predicted = fxmem.report(compiled).predict_peak()
+    assert peaks["default"] < 0.9 * peaks["forced"], peaks
+    assert abs(predicted - peaks["default"]) <= 0.05 * peaks["default"], (predicted, peaks)
+    torch.testing.assert_close(losses["default"], losses["forced"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads["default"], grads["forced"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(fxmem.OptionError, match="option 'layout_optimization': got 'off'; allowed: True, False, or None"):
+        torch.compile(copy.deepcopy(ref), backend="fxmem", options={"layout_optimization": "off"})(**inputs)
