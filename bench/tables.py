@@ -516,6 +516,18 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("peak at", lambda r: f"{r['phase']} `{r['at']}`", number=False),
              Column("largest alive (MiB)", _alive, number=False),
              Column("floor bytes", "floor_bytes", _thousands)), each="rows", replace_row=_floor_row),)),
+    Spec("dpsgd-first-call", ("inner", "start", "variant"),
+         title=lambda res: "DP-SGD's first call against torch.compile's first training step",
+         note="The README's DP-SGD block (HF GPT-2 2 x 64, vocab 512, batch 8 x 32, chunks of 4); each run a fresh "
+              "process with empty caches, medians of the rounds (`runs`: every round's first call). *cold*: the "
+              "process's first compile; *warm*: after one compile of an unrelated function (imports paid). "
+              "tracing / AOT / Inductor: Dynamo's timers (AOT includes the partitioner: fxmem's planner).",
+         tables=(Table("main", (
+             Column("inner", "inner", number=False), Column("start", "start", number=False),
+             Column("variant", "variant", number=False), _by("first_s", ".2f", "first call s"),
+             _by("ratio", ".2f", "/ torch.compile"), _by("tracing_s", ".2f", "tracing s"), _by("aot_s", ".2f", "AOT s"),
+             _by("inner_s", ".2f", "Inductor s"), _by("second_s", ".3f", "second call s"),
+             Column("runs", "runs", number=False))),)),
     Spec("budget-compile-time", ("layers", "config"), tables=(Table("main", (
         Column("layers", "layers", "d"), Column("config", "config", number=False),
         _by("seconds", ".1f", "compile s"), _by("ratio", ".2f", "/ level 0"))),)),
