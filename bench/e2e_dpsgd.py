@@ -3,6 +3,9 @@
     python bench/e2e_dpsgd.py                  # GPT 2 layers, hidden 128, Poisson batches of mean 32, 20 steps
     python bench/e2e_dpsgd.py --quick          # tiny shapes, 8 steps: writes dpsgd-e2e-quick.*
     python bench/e2e_dpsgd.py --inner eager    # fxmem's eager inner compiler (no Inductor compiles)
+    python bench/e2e_dpsgd.py --model gpt5m    # the 5.3M GPT (4 x 256, vocab 4096): dpsgd-e2e-gpt5m.*
+    python bench/e2e_dpsgd.py --model bert --inner eager --no-opake --threads 2
+                                               # BERT-base-like classifier (12 x 768, vocab 30522, seq 32)
 
 Model: the plain-PyTorch GPT of bench/dpsgd_models.py (2 layers, hidden 128, 4 heads, vocab 4096,
 sequence 64, no weight tying). Not an HF model: every parametrized layer here (nn.Linear,
@@ -28,7 +31,11 @@ accountant, delta 1e-5; physical batch cap ``--microbatch`` (8) for all of them:
 - opake: ``opake.dpsgd.clipping.clipped_grad(..., microbatch_size=8)`` for the clipped sum, then
   the same noise, division by the expected batch size, Adam step and accountant as fxmem's;
 - fxmem: ``fxmem.dpsgd.DPSGD(..., microbatch_size=8).step`` (fixed chunks of 8, the last padded:
-  one compile for every batch size; ghost clipping on).
+  one compile for every batch size; ghost clipping on);
+- fxmem make_private: Opacus' loop on ``fxmem.dpsgd.make_private(..., microbatch_size=8)``
+  (``loss.backward(); optimizer.step()``; the forward runs once more inside the chunks), on the
+  whole logical batch, and on physical batches of 8 (one ``backward()`` each, as Opacus'
+  ``BatchMemoryManager`` runs them).
 
 Per variant: median step time over the steps after ``--warmup`` (compiles happen there), the
 variants interleaved step by step; peak = exact peak of one step above what was live before it
@@ -53,18 +60,25 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from dpsgd_models import GPT  # noqa: E402
-from ghost import _OpacusGPT  # noqa: E402
+from dpsgd_models import GPT, BertClassifier, Logits  # noqa: E402
 
 import fxmem.backend  # noqa: E402
-from fxmem.dpsgd import DPSGD, PoissonSampler, PrivacyAccountant, add_noise, make_functional  # noqa: E402
+from fxmem.dpsgd import DPSGD, PoissonSampler, PrivacyAccountant, add_noise, make_functional, make_private  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
 MIB = 2**20
-FULL = dict(vocab=4096, d=128, layers=2, heads=4, seq=64, batch=32, dataset=1024, steps=20, warmup=3,
+FULL = dict(model="gpt", vocab=4096, d=128, layers=2, heads=4, seq=64, batch=32, dataset=1024, steps=20, warmup=3,
             peak_steps=3, microbatch=8)
-QUICK = dict(vocab=256, d=32, layers=1, heads=2, seq=16, batch=8, dataset=128, steps=8, warmup=2,
+QUICK = dict(model="gpt", vocab=256, d=32, layers=1, heads=2, seq=16, batch=8, dataset=128, steps=8, warmup=2,
              peak_steps=2, microbatch=4)
+# --model: [dp-parity]'s end-to-end models. gpt5m: bench/dpsgd_parity.py's 5.3M GPT; bert: a
+# BERT-base-like classifier (12 x 768, vocab 30522, dropout 0.1), sequences of 32, 2 classes.
+MODELS = {
+    "gpt5m": dict(model="gpt", vocab=4096, d=256, layers=4, heads=4, seq=64, batch=32, dataset=1024, steps=8,
+                  warmup=2, peak_steps=2, microbatch=8),
+    "bert": dict(model="bert", vocab=30522, d=768, layers=12, heads=12, seq=32, batch=32, dataset=1024, steps=7,
+                 warmup=2, peak_steps=2, microbatch=8),
+}
 C, SIGMA, DELTA, LR, SEED = 1.0, 1.0, 1e-5, 1e-3, 0
 # Opacus's hooks warn on every backward that no input requires grad (token ids): expected here.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -72,22 +86,20 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 SPEC = "dpsgd-e2e"  # its table spec in bench/tables.py, whatever --name says
 
-def _lm_loss(logits: torch.Tensor, ids: torch.Tensor, criterion=None) -> torch.Tensor:
-    b, t, v = logits.shape
-    args = (logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1))
-    if criterion is None:
-        return nn.functional.cross_entropy(*args)
-    return criterion(*args, shape=(b, t - 1))  # Opacus's ghost criterion: per-example mean over tokens
+def _build(s: dict) -> nn.Module:
+    if s["model"] == "bert":
+        return BertClassifier(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
+    return GPT(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
 
 
 class NonPrivate:
-    def __init__(self, model: GPT, data: torch.Tensor, batches: list[list[int]]):
+    def __init__(self, model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batches: list[list[int]]):
         self.model, self.data, self.batches = model, data, batches
         self.opt = torch.optim.Adam(model.parameters(), lr=LR)
 
     def step(self, s: int) -> float:
-        ids = self.data[self.batches[s]]
-        loss = self.model(ids, ids)
+        ids, labels = (t[self.batches[s]] for t in self.data)
+        loss = self.model(ids, labels)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -97,13 +109,14 @@ class NonPrivate:
 class Opacus:
     """make_private with Poisson sampling, BatchMemoryManager; ``ghost``: ghost clipping."""
 
-    def __init__(self, model: GPT, data: torch.Tensor, batch: int, cap: int, ghost: bool):
+    def __init__(self, model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batch: int, cap: int,
+                 ghost: bool):
         from opacus import PrivacyEngine
         from opacus.utils.batch_memory_manager import BatchMemoryManager
 
         self.engine = PrivacyEngine(accountant="rdp")
-        module = _OpacusGPT(model)
-        loader = DataLoader(TensorDataset(data), batch_size=batch)
+        module, self.loss = Logits(model), model.loss
+        loader = DataLoader(TensorDataset(*data), batch_size=batch)
         common_kw = dict(module=module, optimizer=torch.optim.Adam(module.parameters(), lr=LR), data_loader=loader,
                          noise_multiplier=SIGMA, max_grad_norm=C, poisson_sampling=True)
         if ghost:
@@ -120,9 +133,9 @@ class Opacus:
     def step(self, s: int) -> float:
         losses, n = [], 0
         while True:
-            (ids,) = next(self.it)
+            ids, labels = next(self.it)
             n += ids.shape[0]
-            loss = _lm_loss(self.module(ids), ids, self.criterion)
+            loss = self.loss(self.module(ids), labels, self.criterion)
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -144,7 +157,8 @@ def _one_example_loss(fn):
 class Opake:
     """opake's clipped sum, then noise / expected batch / Adam / accountant, as fxmem's DPSGD does."""
 
-    def __init__(self, model: GPT, data: torch.Tensor, batches: list[list[int]], batch: int, cap: int):
+    def __init__(self, model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batches: list[list[int]],
+                 batch: int, cap: int):
         from opake.dpsgd.clipping import clipped_grad as opake_clipped_grad
 
         self.data, self.batches, self.batch = data, batches, batch
@@ -157,14 +171,14 @@ class Opake:
         self.generator = torch.Generator().manual_seed(SEED + 1)
 
     def step(self, s: int) -> float:
-        ids = self.data[self.batches[s]]
-        out, _ = self.fn(self.trainable, self.frozen, ids, ids, state=self.state)
+        ids, labels = (t[self.batches[s]] for t in self.data)
+        out, _ = self.fn(self.trainable, self.frozen, ids, labels, state=self.state)
         noisy = add_noise(dict(out.pytree), SIGMA, C, self.generator)
         for t, k in zip(self.tensors, self.trainable):
             t.grad = noisy[k].div_(self.batch)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.accountant.step(SIGMA, self.batch / self.data.shape[0])
+        self.accountant.step(SIGMA, self.batch / self.data[0].shape[0])
         return float("nan")
 
     def epsilon(self) -> float:
@@ -172,46 +186,88 @@ class Opake:
 
 
 class Fxmem:
-    def __init__(self, model: GPT, data: torch.Tensor, batches: list[list[int]], batch: int, m: int, inner: str):
+    """fxmem's functional DP-SGD: ``DPSGD`` over ``clipped_grad`` (fixed chunks of ``m``)."""
+
+    def __init__(self, model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batches: list[list[int]],
+                 batch: int, m: int, inner: str):
         self.data, self.batches = data, batches
         fn, trainable, frozen = make_functional(model)
         self.dp = DPSGD(_one_example_loss(fn), trainable, torch.optim.Adam(trainable.values(), lr=LR),
                         clipping_norm=C, noise_multiplier=SIGMA, expected_batch_size=batch,
-                        dataset_size=data.shape[0], frozen_args=(frozen,), microbatch_size=m, delta=DELTA,
+                        dataset_size=data[0].shape[0], frozen_args=(frozen,), microbatch_size=m, delta=DELTA,
                         accountant="rdp", generator=torch.Generator().manual_seed(SEED + 1),
                         options={"inner": inner})
 
     def step(self, s: int) -> float:
-        ids = self.data[self.batches[s]]
-        return self.dp.step(ids, ids, epsilon=False).loss
+        ids, labels = (t[self.batches[s]] for t in self.data)
+        return self.dp.step(ids, labels, epsilon=False).loss
 
     def epsilon(self) -> float:
         return self.dp.epsilon()
 
 
+class FxmemPrivate:
+    """fxmem's Opacus-style loop: ``make_private`` (chunks of ``m``), then ``loss.backward();
+    optimizer.step()`` on the logits module; fed the harness's Poisson batches (make_private's
+    own loader is not used), expected batch size ``batch``. ``physical``: the logical batch in
+    physical batches of at most that many, one ``backward()`` each, one ``step()`` (what Opacus'
+    ``BatchMemoryManager`` does; make_private's clipped sums add up on ``.grad``)."""
+
+    def __init__(self, model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], batches: list[list[int]],
+                 batch: int, m: int, inner: str, physical: int | None = None):
+        self.data, self.batches, self.loss, self.physical = data, batches, model.loss, physical
+        module = Logits(model)
+        loader = DataLoader(TensorDataset(*data), batch_size=batch)
+        self.module, self.opt, _ = make_private(
+            module=module, optimizer=torch.optim.Adam(module.parameters(), lr=LR), data_loader=loader,
+            noise_multiplier=SIGMA, max_grad_norm=C, microbatch_size=m, options={"inner": inner},
+            noise_generator=torch.Generator().manual_seed(SEED + 1))
+
+    def step(self, s: int) -> float:
+        ids, labels = (t[self.batches[s]] for t in self.data)
+        losses = []
+        for i in range(0, len(ids), self.physical or max(len(ids), 1)):
+            cut = slice(i, i + (self.physical or len(ids)))
+            loss = self.loss(self.module(ids[cut]), labels[cut])
+            loss.backward()
+            losses.append(loss.item())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return statistics.fmean(losses) if losses else float("nan")
+
+    def epsilon(self) -> float:
+        return self.opt.epsilon(DELTA)
+
+
 def run(args) -> tuple[list[dict], dict]:
-    s = QUICK if args.quick else FULL
+    s = QUICK if args.quick else MODELS.get(args.model, FULL)
+    if args.model != "gpt" and args.name == "dpsgd-e2e":
+        args.name = f"dpsgd-e2e-{args.model}"
     steps = args.steps or s["steps"]
     warmup, peak_steps = s["warmup"], s["peak_steps"]
     m, B, N = args.microbatch or s["microbatch"], s["batch"], s["dataset"]
     torch.manual_seed(SEED)
-    base = GPT(s["vocab"], s["d"], s["layers"], s["heads"], s["seq"])
-    data = torch.randint(0, s["vocab"], (N, s["seq"]), generator=torch.Generator().manual_seed(SEED))
+    base = _build(s)
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, s["vocab"], (N, s["seq"]), generator=g)
+    data = (ids, ids if s["model"] == "gpt" else torch.randint(0, 2, (N,), generator=g))
     batches = list(PoissonSampler(N, B / N, steps, generator=torch.Generator().manual_seed(SEED)))
     n_params = sum(p.numel() for p in base.parameters())
-    print(f"model: GPT {s['layers']} layers, d={s['d']}, vocab {s['vocab']}, {n_params / 1e6:.2f}M params; "
-          f"dataset {N} x seq {s['seq']}, Poisson batches of mean {B}: {[len(b) for b in batches]}; "
-          f"physical cap / microbatch {m}; fxmem inner {args.inner}", flush=True)
+    print(f"model: {type(base).__name__} {s['layers']} layers, d={s['d']}, vocab {s['vocab']}, "
+          f"{n_params / 1e6:.2f}M params; dataset {N} x seq {s['seq']}, Poisson batches of mean {B}: "
+          f"{[len(b) for b in batches]}; physical cap / microbatch {m}; fxmem inner {args.inner}", flush=True)
 
-    def fresh() -> GPT:
+    def fresh() -> nn.Module:
         return copy.deepcopy(base)
 
     variants = {
         "non-private": NonPrivate(fresh(), data, batches),
         "opacus hooks": Opacus(fresh(), data, B, m, ghost=False),
         "opacus ghost": Opacus(fresh(), data, B, m, ghost=True),
-        "opake": Opake(fresh(), data, batches, B, m),
+        **({"opake": Opake(fresh(), data, batches, B, m)} if not args.no_opake else {}),
         f"fxmem m={m}": Fxmem(fresh(), data, batches, B, m, args.inner),
+        f"fxmem make_private m={m}": FxmemPrivate(fresh(), data, batches, B, m, args.inner),
+        f"fxmem make_private m={m}, physical {m}": FxmemPrivate(fresh(), data, batches, B, m, args.inner, m),
     }
     chunk_compiles = {"n": 0}
     real = fxmem.backend._compile_chunk
@@ -264,7 +320,8 @@ def run(args) -> tuple[list[dict], dict]:
         r["peak_vs_nonprivate"] = r["peak_bytes"] / np_row["peak_bytes"]
         r["time_vs_opacus_ghost"] = r["time_s"] / ghost["time_s"]
         r["peak_vs_opacus_ghost"] = r["peak_bytes"] / ghost["peak_bytes"]
-    fx = rows[f"fxmem m={m}"]
+    fx, mp = rows[f"fxmem m={m}"], rows[f"fxmem make_private m={m}"]
+    mp_phys = rows[f"fxmem make_private m={m}, physical {m}"]
     targets = [
         dict(target=f"fxmem m={m} step time / non-private step", value=fx["time_vs_nonprivate"], limit=1.25),
         dict(target=f"fxmem m={m} step time / non-private step, paired per step", value=fx["paired_time_vs_nonprivate"],
@@ -272,6 +329,14 @@ def run(args) -> tuple[list[dict], dict]:
         dict(target=f"fxmem m={m} peak / non-private step", value=fx["peak_vs_nonprivate"], limit=1.1),
         dict(target=f"fxmem m={m} step time / Opacus ghost (< 1)", value=fx["time_vs_opacus_ghost"], limit=1.0),
         dict(target=f"fxmem m={m} peak / Opacus ghost (< 1)", value=fx["peak_vs_opacus_ghost"], limit=1.0),
+        dict(target=f"fxmem make_private m={m} step time / Opacus ghost (< 1)", value=mp["time_vs_opacus_ghost"],
+             limit=1.0),
+        dict(target=f"fxmem make_private m={m} peak / Opacus ghost (< 1)", value=mp["peak_vs_opacus_ghost"],
+             limit=1.0),
+        dict(target=f"fxmem make_private m={m}, physical {m} step time / Opacus ghost (< 1)",
+             value=mp_phys["time_vs_opacus_ghost"], limit=1.0),
+        dict(target=f"fxmem make_private m={m}, physical {m} peak / Opacus ghost (< 1)",
+             value=mp_phys["peak_vs_opacus_ghost"], limit=1.0),
     ]
     for t in targets:
         t["met"] = bool(t["value"] <= t["limit"])
@@ -279,7 +344,7 @@ def run(args) -> tuple[list[dict], dict]:
                 batch_sizes=[len(b) for b in batches], inner=args.inner, clipping_norm=C, noise_multiplier=SIGMA,
                 delta=DELTA, lr=LR, targets=targets)
     for r in out:
-        print(f"    {r['variant']:>14}: {r['time_s'] * 1e3:7.1f} ms ({r['time_vs_nonprivate']:.2f}x non-private, "
+        print(f"    {r['variant']:>34}: {r['time_s'] * 1e3:7.1f} ms ({r['time_vs_nonprivate']:.2f}x non-private, "
               f"{r['time_vs_opacus_ghost']:.2f}x opacus ghost)  peak {r['peak_bytes'] / MIB:6.1f} MiB "
               f"({r['peak_vs_nonprivate']:.2f}x, {r['peak_vs_opacus_ghost']:.2f}x)  compiles {r['compiles']}  "
               f"epsilon {r['epsilon'] if r['epsilon'] is None else round(r['epsilon'], 3)}", flush=True)
@@ -291,6 +356,10 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", default="inductor", choices=("inductor", "eager"), help="fxmem's inner compiler")
     ap.add_argument("--microbatch", type=int, default=0, help="physical batch cap / microbatch (default 8; quick 4)")
     ap.add_argument("--steps", type=int, default=0, help="training steps (default 20; quick 8)")
+    ap.add_argument("--model", choices=("gpt", *MODELS), default="gpt",
+                    help="gpt (default: 2 x 128), gpt5m (the 5.3M GPT) or bert (BERT-base-like classifier); "
+                         "writes dpsgd-e2e-<model>.* unless --name says otherwise")
+    ap.add_argument("--no-opake", action="store_true", help="leave opake out (it takes 4x a step)")
     return common.run_with_targets(ap, run, argv, spec=SPEC)
 
 

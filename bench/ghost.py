@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import harness  # noqa: E402
 from dpsgd import rel_err  # noqa: E402
-from dpsgd_models import gpt, per_example_loss  # noqa: E402
+from dpsgd_models import Logits, gpt, per_example_loss  # noqa: E402
 
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
@@ -99,30 +99,13 @@ def nonprivate_variant(model: nn.Module, compiled: bool = False):
     return step
 
 
-class _OpacusGPT(nn.Module):
-    """The same modules (shared parameters) returning logits; positions batched for Opacus."""
-
-    def __init__(self, gpt_model: nn.Module):
-        super().__init__()
-        self.m = gpt_model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        m = self.m
-        b, t = ids.shape
-        pos = torch.arange(t, device=ids.device).expand(b, t).contiguous()  # opacus views it
-        x = m.wte(ids) + m.wpe(pos)
-        for block in m.blocks:
-            x = block(x)
-        return m.head(m.ln_f(x))
-
-
 def opacus_variant(model: nn.Module, C: float, batch: int):
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     model = copy.deepcopy(model)  # Opacus hooks its modules: keep them away from the other variants
-    wrapped = GradSampleModuleFastGradientClipping(_OpacusGPT(model), batch_first=True, loss_reduction="mean",
+    wrapped = GradSampleModuleFastGradientClipping(Logits(model), batch_first=True, loss_reduction="mean",
                                                    max_grad_norm=C, use_ghost_clipping=True)
     sgd = torch.optim.SGD(wrapped.parameters(), lr=0.0)
     optimizer = DPOptimizerFastGradientClipping(sgd, noise_multiplier=0.0, max_grad_norm=C,

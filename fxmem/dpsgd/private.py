@@ -124,12 +124,12 @@ class PrivateModule(nn.Module):
         if n_inputs not in self._grad_fns:
             model = self._shadow
 
-            def example_loss(trainable, frozen, v, *xs):  # <model(x_i), v_i>: its grad is row i's vjp
+            def example_loss(trainable, frozen, scale, v, *xs):  # scale <model(x_i), v_i>: row i's vjp
                 out = functional_call(model, {**frozen, **trainable}, tuple(x[None] for x in xs))
-                return (out * v[None]).sum()
+                return (out * v[None]).sum() * scale
 
             self._grad_fns[n_inputs] = clipped_grad(
-                example_loss, self.max_grad_norm, batch_argnums=tuple(range(2, 3 + n_inputs)),
+                example_loss, self.max_grad_norm, batch_argnums=tuple(range(3, 4 + n_inputs)),
                 **self._clip_args)
         return self._grad_fns[n_inputs]
 
@@ -137,15 +137,20 @@ class PrivateModule(nn.Module):
         batch = grad_out.shape[0]
         for orig, sh in self._pairs:  # train()/eval() since make_private
             sh.training = orig.training
-        v = grad_out.contiguous() * (batch if self.loss_reduction == "mean" else 1)
-        sums = self._grad_fn(len(inputs))(self._trainable, self._frozen, v.detach(), *inputs)
+        # The mean's 1/B undone inside each example's loss (a tensor: no recompile per batch
+        # size), not on a copy of grad_out: an LM's is [B, T, vocab].
+        scale = torch.tensor(float(batch if self.loss_reduction == "mean" else 1), device=grad_out.device)
+        sums = self._grad_fn(len(inputs))(self._trainable, self._frozen, scale, grad_out.detach().contiguous(), *inputs)
         if self.dist is not None:
             flat = torch.cat([s.reshape(-1) for s in sums.values()])
             torch.distributed.all_reduce(flat)
             sums = dict(zip(sums, flat.split([s.numel() for s in sums.values()])))
-        for name, p in self._trainable.items():
-            g = sums[name].view_as(p).to(p.dtype) / self.expected_batch_size
-            p.grad = g if p.grad is None else p.grad + g
+        for name, p in self._trainable.items():  # the sums are this call's own: divided in place
+            g = sums.pop(name).view_as(p).to(p.dtype).div_(self.expected_batch_size)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 class DPOptimizer:
