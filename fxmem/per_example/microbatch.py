@@ -74,6 +74,18 @@ def pad(args: Sequence[Any], batch_argnums: Sequence[int], start: int, size: int
     return out, weights
 
 
+def aliases(outputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> bool:
+    """Whether an output shares storage with an input (any tensor leaf of ``inputs``) or with
+    another output: then the outputs are not the caller's to keep and add into."""
+    seen = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            return True
+        seen.add(ptr)
+    return False
+
+
 class Accumulator:
     """Sums of the chunks' batch sums (in float32 or wider, rounded to ``dtypes`` once at the
     end) and the real examples' slices of their per-example outputs, joined along each one's
@@ -84,9 +96,13 @@ class Accumulator:
         self.per_example: list[list[torch.Tensor]] = []
         self.dims = dims
 
-    def add(self, sums: Sequence[torch.Tensor], per_example: Sequence[torch.Tensor], size: int) -> None:
+    def add(self, sums: Sequence[torch.Tensor], per_example: Sequence[torch.Tensor], size: int,
+            owned: bool = False) -> None:
+        """Add one chunk's results. ``owned``: the chunk's sums are the caller's to keep (fresh
+        tensors, nothing else holds them): the first chunk's become the running sums without a
+        copy (a copy would double the sums' bytes while the chunk's output is alive)."""
         if self.sums is None:
-            self.sums = [s.to(torch.promote_types(s.dtype, torch.float32), copy=True) for s in sums]
+            self.sums = [s.to(torch.promote_types(s.dtype, torch.float32), copy=not owned) for s in sums]
             self.per_example = [[] for _ in per_example]
         else:
             for a, s in zip(self.sums, sums):

@@ -119,8 +119,9 @@ class ChunkedStep:
         split, n = self.split, len(self.split.partials)
         acc = microbatch.Accumulator([dim for _, dim in split.chunk_batched_outputs])
         for start, size in microbatch.spans(self._batch(env), m):
-            outs = run(size, self._inputs(env, start, size))
-            acc.add(outs[:n], outs[n:], size)
+            ins = self._inputs(env, start, size)
+            outs = run(size, ins)
+            acc.add(outs[:n], outs[n:], size, owned=not microbatch.aliases(outs[:n], ins))
             del outs
         sums, parts = acc.result(split.partial_dtypes)
         return {**dict(zip(split.partials, sums)),
