@@ -7,7 +7,7 @@ contract format to ``bench/results/dpsgd-parity.json`` (and the table beside it)
     nice python -m bench.dpsgd_parity --steps 4 --world 2       # 2 gloo ranks (same global batch)
 
 The head-to-head with Opacus (non-private, hooks, ghost, make_private, clipped_grad at equal
-epsilon) is not here yet: see docs/per-example.md.
+epsilon) is bench/e2e_dpsgd.py --model gpt5m (and --model bert).
 """
 
 from __future__ import annotations

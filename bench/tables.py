@@ -521,7 +521,9 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
          note="The README's DP-SGD block (HF GPT-2 2 x 64, vocab 512, batch 8 x 32, chunks of 4); each run a fresh "
               "process with empty caches, medians of the rounds (`runs`: every round's first call). *cold*: the "
               "process's first compile; *warm*: after one compile of an unrelated function (imports paid). "
-              "tracing / AOT / Inductor: Dynamo's timers (AOT includes the partitioner: fxmem's planner).",
+              "tracing / AOT / Inductor: Dynamo's timers, each summed over its calls (AOT includes the partitioner, "
+              "fxmem's planner; nested calls count twice: with Inductor, fxmem's chunk is compiled inside the outer "
+              "graph's AOT call, so AOT s can exceed the first call).",
          tables=(Table("main", (
              Column("inner", "inner", number=False), Column("start", "start", number=False),
              Column("variant", "variant", number=False), _by("first_s", ".2f", "first call s"),

@@ -155,3 +155,23 @@ def test_dpsgd_demo_runs_from_the_command_line(capsys):
     with pytest.raises(SystemExit):
         main([])  # usage: lists the command
     assert "dpsgd-demo" in capsys.readouterr().out
+
+
+def test_dpsgd_noises_its_own_sums_in_place():
+    """``DPSGD.step`` adds the noise to the clipped sums it owns (``noised_``): the numbers are
+    ``add_noise``'s (same generator draws) and no second set of gradient-sized tensors exists."""
+    import torch
+    from fxmem.dpsgd.noise import add_noise, noised_
+
+    g = torch.Generator().manual_seed(3)
+    sums = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    expected = add_noise(sums, 1.3, 0.7, torch.Generator().manual_seed(7))
+    own = {k: v.clone() for k, v in sums.items()}
+    gen = torch.Generator().manual_seed(7)
+    ptrs = {k: v.data_ptr() for k, v in own.items()}
+    got = {k: noised_(v, 1.3 * 0.7, gen) for k, v in own.items()}
+    for k in sums:
+        assert got[k].data_ptr() == ptrs[k]  # in place
+        assert torch.equal(got[k], expected[k])
+    half = torch.randn(8, dtype=torch.bfloat16, generator=g)
+    assert noised_(half, 1.0, torch.Generator().manual_seed(1)).dtype == torch.float32  # drawn and added in float32

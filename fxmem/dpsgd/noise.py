@@ -45,9 +45,21 @@ def add_noise(grads: Any, noise_multiplier: float, clipping_norm: float,
             continue
         if not t.is_floating_point():
             raise ValueError(f"add_noise: grads must be floating point, got a {t.dtype} tensor")
-        if generator is not None and torch.device(generator.device).type != t.device.type:
-            raise ValueError(f"add_noise: generator is on {generator.device}, a tensor on {t.device}")
-        work = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-        noise = torch.randn(t.shape, generator=generator, dtype=work, device=t.device)
-        out.append((t.to(work) + noise * std).to(t.dtype))
+        out.append(noised_(t.to(_work(t), copy=True), std, generator).to(t.dtype))
     return pytree.tree_unflatten(out, spec)
+
+
+def _work(t: torch.Tensor) -> torch.dtype:
+    """The dtype noise is drawn and added in: float32 for half types, else the tensor's."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def noised_(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``t`` plus Gaussian noise of std ``std``, in place where ``t`` is in its working dtype
+    (float32 for half types: then a float32 copy); the numbers :func:`add_noise` gives (the same
+    draw from ``generator``, the same products and sums). For sums that are the caller's own
+    (``DPSGD.step``): no second set of gradient-sized tensors."""
+    if generator is not None and torch.device(generator.device).type != t.device.type:
+        raise ValueError(f"add_noise: generator is on {generator.device}, a tensor on {t.device}")
+    t = t.to(_work(t))
+    return t.add_(torch.randn(t.shape, generator=generator, dtype=t.dtype, device=t.device).mul_(std))

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 
 from .accounting import PrivacyAccountant
 from .clipping import ClippedGradFn, clipped_grad
-from .noise import add_noise
+from .noise import add_noise, noised_
 
 __all__ = ["DPSGD", "StepLog", "train"]
 
@@ -108,9 +108,12 @@ class DPSGD:
         if not batch:
             raise ValueError("DPSGD.step: no batch arguments given")
         grads, losses = self.clipped(len(batch))(self.params, *self.frozen_args, *batch)
-        noisy = add_noise(grads, self.noise_multiplier, self.clipping_norm, self.generator)
-        for t, g in zip(self.tensors, pytree.tree_leaves(noisy)):
-            t.grad = g.div_(self.expected_batch_size).to(t.dtype)
+        leaves = pytree.tree_leaves(grads)  # this step's own sums: noised and divided in place
+        del grads
+        std = self.noise_multiplier * self.clipping_norm
+        for i, t in enumerate(self.tensors):
+            g, leaves[i] = leaves[i], None
+            t.grad = noised_(g, std, self.generator).div_(self.expected_batch_size).to(t.dtype)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.accountant.step(self.noise_multiplier, self.sample_rate)
