@@ -161,6 +161,7 @@ def test_dpsgd_noises_its_own_sums_in_place():
     """``DPSGD.step`` adds the noise to the clipped sums it owns (``noised_``): the numbers are
     ``add_noise``'s (same generator draws) and no second set of gradient-sized tensors exists."""
     import torch
+
     from fxmem.dpsgd.noise import add_noise, noised_
 
     g = torch.Generator().manual_seed(3)

@@ -154,5 +154,6 @@ def test_memory_levels_keep_the_callers_layout_under_inductor():
     torch.testing.assert_close(losses["default"], losses["forced"], rtol=1e-5, atol=1e-6)
     for a, b in zip(grads["default"], grads["forced"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    with pytest.raises(fxmem.OptionError, match="option 'layout_optimization': got 'off'; allowed: True, False, or None"):
+    bad = "option 'layout_optimization': got 'off'; allowed: True, False, or None"
+    with pytest.raises(fxmem.OptionError, match=bad):
         torch.compile(copy.deepcopy(ref), backend="fxmem", options={"layout_optimization": "off"})(**inputs)
