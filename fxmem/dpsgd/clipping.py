@@ -289,7 +289,7 @@ class ClippedGradFn:
             chunk_args, weights = microbatch.pad(args, self.batch_argnums, start, size, m, device)
             out = self.compiled(*chunk_args, weights)
             leaves, spec = pytree.tree_flatten(out[0])
-            acc.add(leaves, out[1:], size, owned=not microbatch.aliases(leaves, chunk_args))
+            acc.add(leaves, out[1:], size, inputs=chunk_args)
             del out, leaves
         dtypes = [t.dtype for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor)]
         sums, per_example = acc.result(dtypes)

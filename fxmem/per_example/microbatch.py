@@ -97,12 +97,14 @@ class Accumulator:
         self.dims = dims
 
     def add(self, sums: Sequence[torch.Tensor], per_example: Sequence[torch.Tensor], size: int,
-            owned: bool = False) -> None:
-        """Add one chunk's results. ``owned``: the chunk's sums are the caller's to keep (fresh
-        tensors, nothing else holds them): the first chunk's become the running sums without a
-        copy (a copy would double the sums' bytes while the chunk's output is alive)."""
+            inputs: Sequence[Any] | None = None) -> None:
+        """Add one chunk's results. ``inputs``: the chunk's inputs; where given, the first
+        chunk's sums become the running sums without a copy unless one of them shares storage
+        with an input or another sum (:func:`aliases`): a copy would double the sums' bytes while
+        the chunk's output is alive."""
         if self.sums is None:
-            self.sums = [s.to(torch.promote_types(s.dtype, torch.float32), copy=not owned) for s in sums]
+            copy = inputs is None or aliases(sums, inputs)
+            self.sums = [s.to(torch.promote_types(s.dtype, torch.float32), copy=copy) for s in sums]
             self.per_example = [[] for _ in per_example]
         else:
             for a, s in zip(self.sums, sums):

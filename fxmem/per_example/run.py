@@ -121,7 +121,7 @@ class ChunkedStep:
         for start, size in microbatch.spans(self._batch(env), m):
             ins = self._inputs(env, start, size)
             outs = run(size, ins)
-            acc.add(outs[:n], outs[n:], size, owned=not microbatch.aliases(outs[:n], ins))
+            acc.add(outs[:n], outs[n:], size, inputs=ins)
             del outs
         sums, parts = acc.result(split.partial_dtypes)
         return {**dict(zip(split.partials, sums)),
