@@ -520,10 +520,12 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
          title=lambda res: "DP-SGD's first call against torch.compile's first training step",
          note="The README's DP-SGD block (HF GPT-2 2 x 64, vocab 512, batch 8 x 32, chunks of 4); each run a fresh "
               "process with empty caches, medians of the rounds (`runs`: every round's first call). *cold*: the "
-              "process's first compile; *warm*: after one compile of an unrelated function (imports paid). "
+              "process's first compile; *warm*: after one compile of an unrelated function with the plain variant's "
+              "backend (Dynamo's and AOTAutograd's imports paid, fxmem's own first use not). "
               "tracing / AOT / Inductor: Dynamo's timers, each summed over its calls (AOT includes the partitioner, "
-              "fxmem's planner; nested calls count twice: with Inductor, fxmem's chunk is compiled inside the outer "
-              "graph's AOT call, so AOT s can exceed the first call).",
+              "fxmem's planner, and fxmem's one-pass trace of a chunk under the eager inner compiler; nested calls "
+              "count twice: with Inductor, fxmem's chunk is compiled inside the outer graph's AOT call, so AOT s can "
+              "exceed the first call).",
          tables=(Table("main", (
              Column("inner", "inner", number=False), Column("start", "start", number=False),
              Column("variant", "variant", number=False), _by("first_s", ".2f", "first call s"),

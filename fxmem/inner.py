@@ -8,6 +8,7 @@ Inductor does both on its own.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -17,6 +18,7 @@ from .graph.reuse import reuse_dead_buffers
 
 aten = torch.ops.aten
 CONTROL_DEPS = "torch.ops.higher_order.control_deps"  # the name Inductor's cacheable() looks up
+TRACE_TIMER = "fxmem_trace_flat"  # trace_flat's seconds in Dynamo's compilation_time_metrics
 
 
 def tolerant_views(gm: fx.GraphModule) -> int:
@@ -107,18 +109,84 @@ def compile_safe(gm: fx.GraphModule, example_inputs: list):
     return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=default_partition)(gm, example_inputs)
 
 
+def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | None:
+    """``gm``'s functional aten graph in one tracing pass, as AOTAutograd traces an inference
+    graph (functionalized, fake inputs, each node's module stack and source kept), or None
+    where AOTAutograd's bookkeeping is needed: an input is mutated, an input is not a plain
+    tensor or int, or the trace fails.
+
+    AOTAutograd runs a graph twice before tracing it (once to collect what is mutated and
+    aliased, once to trace); a per-example chunk runs its whole ``vmap(grad(...))`` under
+    functorch each time, about as long as Dynamo's trace of the model. A chunk's inputs are
+    real tensors, it runs without an outer backward and returns new tensors, so one pass with
+    the same functionalization gives the same graph."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._dynamo.utils import dynamo_timed
+    from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, to_fun
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.random import fork_rng
+    from torch.utils import _pytree as pytree
+
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter, int, float, bool) for t in example_inputs):
+        return None
+    mutated = []
+
+    def run(*args):
+        exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+        with exclude:
+            fun = [to_fun(a) for a in args]
+            with fx_traceback.preserve_node_meta(), torch.autograd.detect_anomaly(check_nan=False):
+                outs = fx.Interpreter(gm).run(*fun)
+        mutated.extend(i for i, f in enumerate(fun) if isinstance(f, FunctionalTensor) and has_data_mutation(f))
+        return pytree.tree_map(from_fun, outs)
+
+    fake = FakeTensorMode()
+    args = [fake.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    try:
+        with dynamo_timed(TRACE_TIMER), fork_rng(devices=[]), fake, enable_python_dispatcher(), \
+                FunctionalTensorMode(pre_dispatch=False, export=False, _allow_token_discovery=True), \
+                torch.autograd.set_multithreading_enabled(False):
+            traced = make_fx(run, record_module_stack=True)(*args)
+    except Exception:  # noqa: BLE001 - AOTAutograd traces it instead (and reports what fails)
+        return None
+    if mutated or any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+                      for n in traced.graph.nodes):
+        return None
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
+
+
+def _as_inference(run: Callable[[list], Any]) -> Callable:
+    """A boxed graph traced by ``trace_flat``, called as AOTAutograd calls an inference graph:
+    without autograd and, where autocast was on when it was traced (its casts are in the graph),
+    with autocast off, so that no op is cast twice."""
+    amp_off = torch._C._DisableAutocast if torch._C._is_any_autocast_enabled() else contextlib.nullcontext
+
+    def call(*args):
+        with torch.no_grad(), amp_off():
+            return run(list(args))
+    return call
+
+
 def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any, rewrite: Any = None,
                  layout: bool | None = None):
-    """A graph that runs without an outer backward (a per-example chunk): AOTAutograd traces its
-    flat aten graph; ``rewrite`` (ghost norms, optional) runs on it before Inductor's
-    decompositions, ``plan`` (the recompute plan of the inner backward) after them; then the
-    inner compiler."""
+    """A graph that runs without an outer backward (a per-example chunk): its flat aten graph
+    (``trace_flat``, else AOTAutograd's); ``rewrite`` (ghost norms, optional) runs on it before
+    Inductor's decompositions, ``plan`` (the recompute plan of the inner backward) after them;
+    then the inner compiler."""
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
         def fw(g, ins):
             return eager(plan(rewrite(g) if rewrite else g), ins)
 
+        flat = trace_flat(gm, example_inputs)
+        if flat is not None:
+            return _as_inference(fw(flat, example_inputs))
         return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)
     from functorch.compile import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner

@@ -298,6 +298,52 @@ def test_hf_models_through_functional_call(builder):
     assert rel_err(norms, want_norms) <= RTOL
 
 
+
+@pytest.mark.slow
+def test_a_chunk_traced_once_equals_aotautograds_trace_bit_for_bit(monkeypatch):
+    """With the eager inner compiler a per-example chunk is traced in one pass (``inner.trace_flat``)
+    where AOTAutograd runs it twice: on an HF GPT-2 with its dropout on, the clipped sums are the
+    ones AOTAutograd's graph gives, bit for bit (same seed); a graph that writes into an input is
+    left to AOTAutograd (its copy-back)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fxmem.inner as inner
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                       use_cache=False, eos_token_id=0, bos_token_id=0))
+    fn, trainable, frozen = make_functional(model)
+    ids = torch.randint(0, 64, (5, 8))
+
+    def loss(p, ids, labels):
+        return fn(p, frozen, input_ids=ids[None], labels=labels[None]).loss
+
+    traced = []
+    one_pass = inner.trace_flat
+
+    def spy(gm, example_inputs):
+        traced.append(one_pass(gm, example_inputs))
+        return traced[-1]
+
+    def sums(tracer):
+        monkeypatch.setattr(inner, "trace_flat", tracer)
+        step = clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size=2, options=EAGER)
+        torch.manual_seed(1)
+        return step(trainable, ids, ids)
+
+    once, twice = sums(spy), sums(lambda gm, example_inputs: None)
+    assert traced and all(g is not None for g in traced)
+    for k in once:
+        assert torch.equal(once[k], twice[k]), k
+
+    def writes_its_input(x):
+        x.add_(1)
+        return (x * 2,)
+
+    gm = torch.fx.symbolic_trace(writes_its_input)
+    assert inner.trace_flat(gm, [torch.zeros(3)]) is None
+
+
 # --- make_functional --------------------------------------------------------------------------
 
 
@@ -339,6 +385,46 @@ def test_make_functional_partitions_trainable_and_frozen():
         trainable, frozen, x, y)
     assert set(grads) == set(trainable)  # per-example gradients for the adapters only
     assert_grads_close(grads, want)
+
+
+
+def test_make_functional_swaps_tied_weights_and_follows_a_replaced_submodule():
+    """``fn`` swaps the given tensors into the module itself (a slot list made once, which Dynamo
+    traces faster than ``functional_call``'s walk of the module tree), with ``functional_call``'s
+    results: a tied weight takes the value given under its first name; the module's own tensors
+    are back after the call; a submodule replaced after ``make_functional`` is used (the call
+    goes through ``functional_call`` then), which also judges names the module does not have."""
+    torch.manual_seed(0)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(6, 4)
+            self.mid = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 6, bias=False)
+            self.head.weight = self.emb.weight  # tied: named once, as "emb.weight"
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+    model = Tied()
+    fn, trainable, frozen = make_functional(model)
+    assert "head.weight" not in trainable
+    ids = torch.tensor([[1, 2, 5]])
+    new = {k: torch.randn_like(v) for k, v in trainable.items()}
+    own = dict(model.named_parameters())
+    torch.testing.assert_close(fn(new, frozen, ids), torch.func.functional_call(model, {**frozen, **new}, (ids,)),
+                               rtol=0, atol=0)
+    assert all(p is own[n] for n, p in model.named_parameters())  # the module's own tensors are back
+    assert model.head.weight is model.emb.weight
+
+    model.mid = torch.nn.Linear(4, 4)  # replaced after make_functional: its own weights now
+    new["mid.weight"] = torch.randn(4, 4)
+    torch.testing.assert_close(fn(new, frozen, ids), torch.func.functional_call(model, {**frozen, **new}, (ids,)),
+                               rtol=0, atol=0)
+    assert not torch.equal(fn(new, frozen, ids), fn(trainable, frozen, ids))
+    with pytest.raises(AttributeError, match="has no attribute `not`"):  # as functional_call says it
+        fn({**new, "not.a.parameter": torch.zeros(1)}, frozen, ids)
 
 
 # --- noise ------------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ training step (forward, loss, backward) with the same inner compiler: ``aot_eage
 Each measurement runs in a fresh process (empty Inductor and fxmem caches), the variants
 interleaved over ``--rounds`` rounds; the median is reported. *cold*: the process's first compile
 (what a script's first step costs: Dynamo's and AOTAutograd's imports included); *warm*: after one
-compile of an unrelated function with the same backend (the imports paid), which isolates the
-compile of the model itself. Dynamo's own timers (``compilation_time_metrics``) split each first
-call: Dynamo's bytecode tracing, AOTAutograd (the partitioner, so fxmem's planner, included), the
-Inductor compiles; the rest is running the step and what lies outside those timers.
+compile of an unrelated function with the plain variant's backend (``aot_eager`` or Inductor: the
+imports of Dynamo and AOTAutograd paid; fxmem's own first use, its kernels and networkx, is not).
+Dynamo's own timers (``compilation_time_metrics``) split each first call: Dynamo's bytecode
+tracing, AOTAutograd (the partitioner, so fxmem's planner, included) or, for a per-example chunk
+with the eager inner compiler, fxmem's one-pass trace of it (``inner.trace_flat``), the Inductor
+compiles; the rest is running the step and what lies outside those timers.
 
     python bench/studies/first_call.py [--rounds 3] [--inner eager inductor]
         # writes bench/results/dpsgd-first-call.{json,md}
@@ -35,7 +37,8 @@ sys.path.insert(0, str(BENCH))  # bench/: common, harness
 BAR = 2.0  # fxmem's first call at most this times plain torch.compile's first step
 PLAIN_BACKEND = {"eager": "aot_eager", "inductor": "inductor"}
 TIMERS = {"tracing": ("bytecode_tracing",),  # Dynamo tracing the Python (nested compiles included)
-          "aot": ("create_aot_dispatcher_function",),  # AOTAutograd with the partitioner (fxmem's planner)
+          # AOTAutograd with the partitioner (fxmem's planner), or fxmem's own trace of a chunk
+          "aot": ("create_aot_dispatcher_function", "fxmem_trace_flat"),
           "inner": ("compile_fx_inner",)}  # Inductor's compile of each graph
 
 

@@ -40,9 +40,52 @@ def make_functional(model: nn.Module, partition_trainable: bool = True
     for name, b in model.named_buffers():
         frozen[name] = b
 
+    slots, edges = _slots(model), _edges(model)
+    known = {key for _, _, key, _ in slots}
+
     def fn(trainable_params: dict[str, torch.Tensor], frozen_params: dict[str, torch.Tensor],
            *args: Any, **kwargs: Any) -> Any:
-        return functional_call(model, {**frozen_params, **trainable_params}, args, kwargs)
+        values = {**frozen_params, **trainable_params}
+        if not values.keys() <= known or any(parent._modules.get(name) is not child for parent, name, child in edges):
+            # names the module does not have, or a submodule replaced since: torch's own walk
+            return functional_call(model, values, args, kwargs)
+        saved = []
+        try:
+            for module, attr, key, table in slots:
+                if key in values:
+                    tensors = getattr(module, table)
+                    saved.append((tensors, attr, tensors[attr]))
+                    tensors[attr] = values[key]
+            return model(*args, **kwargs)
+        finally:
+            for tensors, attr, original in reversed(saved):
+                tensors[attr] = original
 
     fn.__name__ = f"functional_{type(model).__name__}"
     return fn, trainable, frozen
+
+
+def _slots(model: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
+    """Where each parameter and buffer lives: ``(module, attribute, key, "_parameters" |
+    "_buffers")``, one per name under which the module reaches it (a tied weight's every name,
+    keyed by its first, as ``functional_call(..., tie_weights=True)`` ties them).
+
+    ``fn`` swaps the tensors into these slots itself, as ``functional_call`` does, from a list
+    made once here: tracing ``functional_call`` walks the module tree and its name maps on every
+    call, which inside ``clipped_grad``'s compiled step took Dynamo about 0.3 s of the 2.5 s it
+    spends tracing the README's 2-layer GPT-2 (bench/results/dpsgd-first-call.md)."""
+    first: dict[int, str] = {}
+    slots = []
+    for table, named in (("_parameters", model.named_parameters), ("_buffers", model.named_buffers)):
+        for name, tensor in named(remove_duplicate=False):
+            key = first.setdefault(id(tensor), name)
+            prefix, _, attr = name.rpartition(".")
+            slots.append((model.get_submodule(prefix), attr, key, table))
+    return slots
+
+
+def _edges(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every ``(parent, name, child)`` of the module tree: ``fn`` checks them (a dict lookup each)
+    so that a submodule replaced after ``make_functional`` is never trained through stale slots."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
+            if child is not None]

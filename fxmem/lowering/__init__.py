@@ -67,6 +67,7 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
+from ..graph.module import graph_module
 from . import amp, splice
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
 from .savings import bytes_saved
@@ -182,7 +183,7 @@ def _named(lowering: bool | Mapping[str, bool], pattern: str) -> bool:
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule over a copy of ``gm``'s graph (node meta shallow-copied), sharing its
     parameters, with Dynamo's extra attributes (``meta``, parameter sources, ...)."""
-    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new = graph_module(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     for old, n in zip(gm.graph.nodes, new.graph.nodes):  # e.g. Dynamo's placeholder._dynamo_source
         for key, value in old.__dict__.items():
             if key not in n.__dict__:

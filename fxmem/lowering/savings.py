@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
 
+from ..graph.module import graph_module
 from .match import val
 
 log = logging.getLogger("fxmem")
@@ -58,7 +59,7 @@ def _subgraph(nodes: list[fx.Node], output: fx.Node) -> tuple[fx.GraphModule, li
     for n in nodes:
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(env[output])
-    return fx.GraphModule(torch.nn.Module(), g), inputs
+    return graph_module(torch.nn.Module(), g), inputs
 
 
 def _under(autocast: dict | None):

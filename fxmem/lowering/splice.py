@@ -29,6 +29,8 @@ import torch.fx.traceback as fx_traceback
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..graph.module import graph_module
+
 log = logging.getLogger("fxmem")
 
 IN, OUT = "in", "out"
@@ -103,7 +105,7 @@ def extract(m: Any, region_id: int, autocast: dict) -> tuple[Region, list[fx.Nod
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[o] for o in outputs))
     owner = m.output.graph.owning_module
-    sub = fx.GraphModule(owner if owner is not None else torch.nn.Module(), graph)
+    sub = graph_module(owner if owner is not None else torch.nn.Module(), graph)
     return Region(region_id, m.pattern, m.output.name, sub, dict(autocast), where=list(m.nodes)), inputs
 
 
@@ -236,7 +238,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    new = fx.GraphModule(gm, graph)
+    new = graph_module(gm, graph)
     new.meta.update(gm.meta)
     return new
 

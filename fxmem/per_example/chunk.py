@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..graph.module import graph_module
 from .epilogue import OUTER, REDUCED, Batched, Epilogue, arg_nodes
 from .regions import REMOVE_BATCH_DIM, Region
 
@@ -49,7 +50,7 @@ class RegionSplit:
 
 def _gm(owner: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     graph.lint()
-    return fx.GraphModule(owner, graph)
+    return graph_module(owner, graph)
 
 
 def split_region(gm: fx.GraphModule, region: Region) -> RegionSplit:

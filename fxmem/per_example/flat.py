@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ..graph.module import graph_module
 from ..remat.partition import Partitioner
 from .ghost import Pass as Ghost
 
@@ -71,7 +72,7 @@ def _as_joint(gm: fx.GraphModule, seed: fx.Node) -> tuple[fx.GraphModule, int, l
             fwd.append(env[o] if isinstance(o, fx.Node) else o)
     g.output(tuple(fwd + bwd))
     g.lint()
-    return fx.GraphModule(gm, g), len(fwd), where, spec
+    return graph_module(gm, g), len(fwd), where, spec
 
 
 def _join(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd: int, n_tensors: int, where, spec) -> fx.GraphModule:
@@ -97,7 +98,7 @@ def _join(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd: int, n_tensors: int, 
     flat = [fwd[i] if side == "fwd" else bwd[i] for side, i in where]
     g.output(pytree.tree_unflatten(flat, spec))
     g.lint()
-    return fx.GraphModule(fw, g)
+    return graph_module(fw, g)
 
 
 def plan_flat(gm: fx.GraphModule, partitioner: Partitioner) -> fx.GraphModule:

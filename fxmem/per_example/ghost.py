@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..graph.module import graph_module
+
 log = logging.getLogger("fxmem")
 aten = torch.ops.aten
 
@@ -614,7 +616,7 @@ class Pass:
         graph = fx.Graph()
         out = graph.graph_copy(flat.graph, {})
         graph.output(out)
-        copy = fx.GraphModule(flat, graph)
+        copy = graph_module(flat, graph)
         try:
             self.decisions = rewrite(copy, self.names)
         except Exception as e:  # noqa: BLE001

@@ -46,6 +46,7 @@ from torch._prims.rng_prims import run_and_save_rng_state
 from torch.utils._ordered_set import OrderedSet
 
 from ..graph.joint import is_random
+from ..graph.module import graph_module
 from .allowlist import HEAVY, is_view, kind
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -83,7 +84,7 @@ def _copied(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
     graph.output(out).meta = dict(gm.graph.output_node().meta)  # the outputs' descriptors
-    return fx.GraphModule(gm, graph), env
+    return graph_module(gm, graph), env
 
 
 def random_in_order(fw: fx.GraphModule) -> fx.GraphModule:

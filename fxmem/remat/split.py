@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
+from ..graph.module import graph_module
 from .allowlist import is_view
 from .replay import bind_states
 
@@ -76,7 +77,7 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
     if descs is not None:
         out.meta["desc"] = descs
     graph.lint()
-    return fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 def _output_descs(gm: fx.GraphModule) -> list:
