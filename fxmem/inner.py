@@ -9,6 +9,8 @@ Inductor does both on its own.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -17,6 +19,7 @@ import torch.fx as fx
 from .graph.reuse import reuse_dead_buffers
 
 aten = torch.ops.aten
+log = logging.getLogger("fxmem")
 CONTROL_DEPS = "torch.ops.higher_order.control_deps"  # the name Inductor's cacheable() looks up
 TRACE_TIMER = "fxmem_trace_flat"  # trace_flat's seconds in Dynamo's compilation_time_metrics
 
@@ -113,7 +116,7 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
     """``gm``'s functional aten graph in one tracing pass, as AOTAutograd traces an inference
     graph (functionalized, fake inputs, each node's module stack and source kept), or None
     where AOTAutograd's bookkeeping is needed: an input is mutated, an input is not a plain
-    tensor or int, or the trace fails.
+    tensor or number, or the trace fails (the reason logged at DEBUG on the ``fxmem`` logger).
 
     AOTAutograd runs a graph twice before tracing it (once to collect what is mutated and
     aliased, once to trace); a per-example chunk runs its whole ``vmap(grad(...))`` under
@@ -130,14 +133,19 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
     from torch.random import fork_rng
     from torch.utils import _pytree as pytree
 
-    if not all(type(t) in (torch.Tensor, torch.nn.Parameter, int, float, bool) for t in example_inputs):
-        return None
+    plain = (torch.Tensor, torch.nn.Parameter, int, float, bool)
+    odd = [type(t).__name__ for t in example_inputs if type(t) not in plain]
+    if odd:
+        return _not_traced(f"inputs of type {', '.join(sorted(set(odd)))}")
     mutated = []
 
     def run(*args):
         exclude = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
-        with exclude:
+        with exclude, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")  # as AOTAutograd does
             fun = [to_fun(a) for a in args]
+            # anomaly mode records each forward op on its autograd node: the inner backward's nodes
+            # get their forward's module stack, as in AOTAutograd's graph
             with fx_traceback.preserve_node_meta(), torch.autograd.detect_anomaly(check_nan=False):
                 outs = fx.Interpreter(gm).run(*fun)
         mutated.extend(i for i, f in enumerate(fun) if isinstance(f, FunctionalTensor) and has_data_mutation(f))
@@ -150,14 +158,22 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
                 FunctionalTensorMode(pre_dispatch=False, export=False, _allow_token_discovery=True), \
                 torch.autograd.set_multithreading_enabled(False):
             traced = make_fx(run, record_module_stack=True)(*args)
-    except Exception:  # noqa: BLE001 - AOTAutograd traces it instead (and reports what fails)
-        return None
-    if mutated or any(getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
-                      for n in traced.graph.nodes):
-        return None
+    except Exception as e:  # noqa: BLE001 - AOTAutograd traces it instead (and reports what fails)
+        return _not_traced(f"{type(e).__name__}: {e}")
+    if mutated:
+        return _not_traced(f"it writes into input(s) {mutated}")
+    left = [n.name for n in traced.graph.nodes if getattr(n.target, "_schema", None) is not None
+            and n.target._schema.is_mutable]
+    if left:
+        return _not_traced(f"mutating ops left after functionalization: {left[:3]}")
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def _not_traced(why: str) -> None:
+    log.debug("fxmem: AOTAutograd traces the chunk (trace_flat: %s)", why)
+    return None
 
 
 def _as_inference(run: Callable[[list], Any]) -> Callable:
