@@ -118,9 +118,9 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
     where AOTAutograd's bookkeeping is needed: an input is mutated, an input is not a plain
     tensor or number, or the trace fails (the reason logged at DEBUG on the ``fxmem`` logger).
 
-    AOTAutograd runs a graph twice before tracing it (once to collect what is mutated and
-    aliased, once to trace); a per-example chunk runs its whole ``vmap(grad(...))`` under
-    functorch each time, about as long as Dynamo's trace of the model. A chunk's inputs are
+    AOTAutograd runs a graph twice to trace it (once to collect what is mutated and aliased,
+    once to trace); a per-example chunk runs its whole ``vmap(grad(...))`` under functorch
+    each time, which is most of a chunk's compile. A chunk's inputs are
     real tensors, it runs without an outer backward and returns new tensors, so one pass with
     the same functionalization gives the same graph."""
     from torch._dispatch.python import enable_python_dispatcher

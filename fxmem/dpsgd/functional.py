@@ -71,9 +71,9 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
     keyed by its first, as ``functional_call(..., tie_weights=True)`` ties them).
 
     ``fn`` swaps the tensors into these slots itself, as ``functional_call`` does, from a list
-    made once here: tracing ``functional_call`` walks the module tree and its name maps on every
-    call, which inside ``clipped_grad``'s compiled step took Dynamo about 0.3 s of the 2.5 s it
-    spends tracing the README's 2-layer GPT-2 (bench/results/dpsgd-first-call.md)."""
+    made once here: ``functional_call`` walks the module tree and its name maps on every call,
+    and Dynamo traces that walk each time it compiles ``clipped_grad``'s step (the first call's
+    cost: bench/results/dpsgd-first-call.md)."""
     first: dict[int, str] = {}
     slots = []
     for table, named in (("_parameters", model.named_parameters), ("_buffers", model.named_buffers)):

@@ -2,9 +2,10 @@
 
 fxmem's passes build several GraphModules per compile (the joint copy, the forward and
 backward halves, the ghost rewrite's copy, the rejoined chunk graph) that are only read as
-graphs; generating and ``compile()``-ing Python for each was a fifth of a per-example chunk's
-compile. torch's ``_LazyGraphModule`` (what Inductor's passes use) defers that until the module
-is called or its ``code`` read; it is a GraphModule in every other respect.
+graphs; generating and ``compile()``-ing Python for each of them was most of the time those
+passes spent outside the planner itself. torch's ``_LazyGraphModule`` (what Inductor's passes
+use) defers that until the module is called or its ``code`` read; it is a GraphModule in every
+other respect.
 """
 from __future__ import annotations
 
