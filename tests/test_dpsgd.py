@@ -346,6 +346,56 @@ def test_a_chunk_traced_once_equals_aotautograds_trace_bit_for_bit(monkeypatch, 
     assert inner.trace_flat(gm, [torch.zeros(3)]) is None
 
 
+def test_the_clipping_epilogue_is_one_node_in_dynamos_graph(tiny_gpt, monkeypatch):
+    """Dynamo keeps ``clip_and_sum`` as one call (tracing its ~10 ops per parameter was a third of
+    a second of the README block's first call): after the vmap region the graph holds that call
+    and its outputs, no per-leaf norm or sum; the per-example pass takes every sum as a matvec,
+    and the sums and norms are the loop's."""
+    import fxmem.per_example as per_example
+    from fxmem.per_example.clip import clip_and_sum
+
+    graphs = []
+    split = per_example.split_region
+    monkeypatch.setattr(per_example, "split_region", lambda gm, region: graphs.append((gm, region)) or
+                        split(gm, region))
+    loss, C, params, ids, labels, (want, want_norms, _) = tiny_gpt
+    step = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=4, return_norms=True, options=EAGER)
+    grads, norms = step(params, ids, labels)
+    ((gm, region),) = graphs
+    nodes = list(gm.graph.nodes)
+    after = [n for n in nodes[nodes.index(region.end) + 1:] if n.op == "call_function"]
+    assert [n.target for n in after].count(clip_and_sum) == 1
+    assert {getattr(n.target, "__name__", n.target) for n in after} <= {"clip_and_sum", "getitem"}
+    assert step.plans[-1].chunked and step.plans[-1].fused_sums == len(params)
+    assert_grads_close(grads, want)
+    assert rel_err(norms, want_norms) <= RTOL
+
+
+def test_clip_and_sum_on_a_value_that_is_not_per_example_is_not_chunked():
+    """``clip_and_sum`` given a tensor without the batch (here a parameter) cannot be split by
+    examples: the per-example pass says so and the step runs unchunked, still correct."""
+    from torch.func import grad_and_value, vmap
+
+    from fxmem.per_example.clip import clip_and_sum
+
+    def loss(w, x):
+        return (w * x).sum() ** 2
+
+    def step(w, x):
+        g, _ = vmap(grad_and_value(loss), in_dims=(None, 0))(w, x)
+        *sums, norms = clip_and_sum(1.0, False, g, w.expand(x.shape[0], -1))
+        return sums[0], norms
+
+    w, x = torch.randn(3), torch.randn(4, 3)
+    compiled = torch.compile(step, backend="fxmem", options={**EAGER, "microbatch_size": 2})
+    with torch.no_grad(), pytest.warns(UserWarning, match="not chunking this graph: .*clip_and_sum.*not per "
+                                                          "example along dim 0"):
+        got, norms = compiled(w, x)
+    want, want_norms = step(w, x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(norms, want_norms)
+
+
 # --- make_functional --------------------------------------------------------------------------
 
 

@@ -5,23 +5,19 @@
 
 ``loss_fn`` is a *per-example* loss: it is called on one example, without its batch dim (as in
 opake's ``clipped_grad`` and ``torch.func``'s per-sample-gradient recipe). The step that fxmem
-compiles is plain PyTorch::
+compiles is::
 
     g, losses = vmap(grad_and_value(loss_fn, argnums), in_dims=(None, 0, 0, ...))(*args)
-    g         = nan_to_num(g_leaf, nan=0, posinf=0, neginf=0)      for every leaf
-    norms     = sqrt(sum over leaves of vector_norm(g_leaf.reshape(B, -1), dim=1) ** 2)  # 2 stages
-    factor    = (C' / norms).clamp(max=1)                          # C' = C less a few ULPs, see below
-    sums      = (g_leaf * factor.view(-1, 1, ...)).sum(0)          for every leaf
+    *sums, norms = clip_and_sum(C, weighted, *g_leaves[, weights])   # fxmem/per_example/clip.py
 
-so fxmem's per-example pass (``fxmem/per_example``) finds the ``vmap`` region and this epilogue
-(per-example norms and clip factors, then a sum over the batch) and runs them chunk by chunk when
-``microbatch_size`` is set: the ``[batch, *param]`` per-example gradients never exist at once.
-
-Clipping convention (opake's ``clip_pytree``): factor ``min(1, C / norm)`` with no additive
-epsilon; the ratio gives up a few float ULPs (the storage rounding of the product and the
-rounding of the norm's reduction) so that every stored clipped gradient has norm <= C, and a
-gradient of norm 0 is kept as it is. Non-finite gradient elements count as 0 (as in opake), so
-the clipped sum stays finite and its sensitivity C whatever one example does.
+``clip_and_sum`` is plain PyTorch (per leaf ``nan_to_num``, two-stage per-example norms, the clip
+factor ``min(1, C' / norm)``, the clip-weighted batch sum as a matrix-vector product) that
+Dynamo keeps as one call, so tracing it costs nothing per parameter. fxmem's per-example pass
+(``fxmem/per_example``) finds the ``vmap`` region and this call (per-example norms, then sums over
+the batch) and runs them chunk by chunk when ``microbatch_size`` is set: the
+``[batch, *param]`` per-example gradients never exist at once. The clipping convention (no
+additive epsilon, a few ULPs given up so that every clipped norm is <= C, non-finite elements
+counted as 0) is in ``clip.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from ..graph_breaks import break_count, breaks_since, ignore_once_warnings
 from ..per_example import microbatch
+from ..per_example.clip import clip_and_sum, clip_factor
 from ..warn import warn
 
 __all__ = ["ClippedGradFn", "clip_factor", "clipped_grad"]
@@ -86,69 +83,6 @@ def _compile_options(microbatch_size, memory_budget, options) -> dict[str, Any]:
     return merged
 
 
-# --- the clipping rule --------------------------------------------------------------------------
-
-
-def _guard(dtype: torch.dtype, numel: int) -> float:
-    """1 minus the relative error that storing ``g * factor`` and reducing the norm in ``dtype``
-    can make (opake's ``_guard_scale``): the product rounds once (eps), the norm's cascade
-    reduction over ``numel`` squares rounds ~log2(numel) times (eps/2 each), halved by the sqrt."""
-    eps = torch.finfo(dtype).eps
-    return 1.0 - eps - (math.log2(max(numel, 2)) + 1) * eps / 2
-
-
-def clip_factor(norms: torch.Tensor, clipping_norm: float, guard: float = 1.0) -> torch.Tensor:
-    """``min(1, guard * C / norm)`` per example; 1 where the norm is 0 (nothing to clip)."""
-    return ((clipping_norm * guard) / norms).clamp(max=1.0)
-
-
-def _example_norms(g: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    """L2 norm of each example's slice of ``g``, in two stages along the leaf's own dims (rows of
-    ``[B, d1, rest]``, then over d1): no temporary the size of ``g``, and each reduction is short.
-    One ``vector_norm`` over a flattened 500k-element row loses ~5e-6 (relative) on CPU; two
-    stages lose ~1e-7, which keeps the clipped norms within C and the sums equal to a float64
-    reference to 1e-6."""
-    if g.dim() <= 2:
-        return torch.linalg.vector_norm(g.reshape(batch, -1), dim=1, dtype=dtype)
-    rows = torch.linalg.vector_norm(g.reshape(batch, g.shape[1], -1), dim=2, dtype=dtype)
-    return torch.linalg.vector_norm(rows, dim=1)
-
-
-def _sum_clipped(leaves: list[torch.Tensor], clipping_norm: float,
-                 weights: torch.Tensor | None = None):
-    """Per-example norms, clip factors and the batch sums of the clipped leaves: the epilogue
-    that fxmem's per-example pass runs chunk by chunk. With ``weights`` (``[B]``, 0 for the
-    padding of a fixed-size chunk) each clip factor is multiplied by its example's weight and
-    the sums stay in the accumulation dtype (the caller adds the chunks up and rounds once).
-    Plain ops only (nan_to_num, reshape, vector_norm, pointwise, view, mul, sum over dim 0),
-    one leaf at a time: no ``[B, P]`` concatenation, and each weighted sum is the
-    ``(g * factor.view(-1, 1, ...)).sum(0)`` that the pass turns into a matrix-vector product
-    (no clipped copy of ``g``)."""
-    # Non-finite gradient elements count as 0 (opake's clip_pytree does the same): the norm and
-    # the clip factor stay finite, so one bad example cannot turn the whole sum into nan.
-    leaves = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in leaves]
-    # Norms, clip factors and sums in float32 or wider (opake promotes float16/bfloat16 the same
-    # way); low-precision leaves are upcast per chunk and their sums rounded once at the end.
-    acc = torch.float32
-    for g in leaves:
-        acc = torch.promote_types(acc, g.dtype)
-    batch = leaves[0].shape[0]
-    sq = None
-    for g in leaves:
-        n = _example_norms(g, batch, acc)
-        sq = n.square() if sq is None else sq + n.square()
-    norms = sq.sqrt()
-    factor = clip_factor(norms, clipping_norm, _guard(acc, sum(g[0].numel() for g in leaves)))
-    if weights is not None:
-        factor = factor * weights.to(acc)
-    sums = []
-    for g in leaves:
-        wide = g if g.dtype == acc else g.to(acc)
-        total = (wide * factor.view(-1, *[1] * (g.dim() - 1))).sum(0)
-        sums.append(total if g.dtype == acc or weights is not None else total.to(g.dtype))
-    return sums, norms
-
-
 # --- the compiled step --------------------------------------------------------------------------
 
 
@@ -171,7 +105,9 @@ def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...]
             g, losses = vmap(grad_and_value(loss_fn, argnums=argnums), in_dims=in_dims,
                              randomness="different")(*args)
         leaves, spec = pytree.tree_flatten(g)
-        sums, norms = _sum_clipped(leaves, clipping_norm, weights)
+        *sums, norms = clip_and_sum(clipping_norm, weighted, *leaves, *(weights,) * weighted)
+        if not weighted:  # one batch, no chunk sums to add up: round the sums now
+            sums = [s.to(leaf.dtype) for s, leaf in zip(sums, leaves)]
         out = (pytree.tree_unflatten(sums, spec),)
         if return_norms:
             out += (norms,)

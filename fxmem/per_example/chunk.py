@@ -131,7 +131,7 @@ def split_region(gm: fx.GraphModule, region: Region) -> RegionSplit:
                  [p.name for p in epi.partials],
                  [p.meta["example_value"].dtype for p in epi.partials],
                  [(n.name, kinds[n].dim) for n in batched_outputs],
-                 rest, rest_inputs, rest_outputs, spec, make_chunk, len(fused))
+                 rest, rest_inputs, rest_outputs, spec, make_chunk, len(fused) + epi.matvec_sums)
 
 
 def _with_leading(args: tuple, m: int) -> tuple:

@@ -5,7 +5,8 @@ The analysis proves, op by op, that a value is computed from each example indepe
 (``Batched``) or is a sum over the examples (a *partial-sum point*: ``sum`` over the batch dim).
 Ops it cannot prove raise :class:`Unsupported` with the op named; the caller then keeps the
 unchunked graph. The vocabulary is what clipping code uses: pointwise math, views and reshapes
-that keep the batch leading, reductions over other dims, ``cat`` along other dims, norms.
+that keep the batch leading, reductions over other dims, ``cat`` along other dims, norms, and
+``clip.clip_and_sum`` (``fxmem.dpsgd``'s whole epilogue as one call).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .clip import clip_and_sum
 from .regions import Region, Unsupported
 
 
@@ -94,13 +96,15 @@ def _kind_of(node: fx.Node) -> tuple[str, str]:
 class Epilogue:
     """``kinds[node]``: ``Batched``, ``OUTER`` or ``REDUCED`` for every node outside the region;
     ``partials``: the batch sums, in graph order; ``batch_shape_args``: view nodes whose leading
-    shape argument is the literal batch size (the chunk graph rewrites it)."""
+    shape argument is the literal batch size (the chunk graph rewrites it); ``matvec_sums``: how
+    many of the sums ``clip_and_sum`` takes (as matrix-vector products)."""
 
     def __init__(self, graph: fx.Graph, region: Region):
         self.region = region
         self.kinds: dict[fx.Node, object] = {}
         self.partials: list[fx.Node] = []
         self.batch_shape_args: list[fx.Node] = []
+        self.matvec_sums = 0
         inside = set(region.nodes)
         for node in graph.nodes:
             if node in inside:
@@ -122,6 +126,14 @@ class Epilogue:
         if REDUCED in kinds:
             raise Unsupported(f"{_op(node)} mixes per-example values with a batch sum "
                               "(it needs the whole batch at once)")
+        if node.op == "call_function" and node.target is clip_and_sum:
+            return self._clip_and_sum(node, kinds)
+        source = node.args[0] if node.target is operator.getitem else None
+        if isinstance(source, fx.Node) and source.target is clip_and_sum:
+            if node.args[1] == len(source.args) - 2 - int(source.args[1]):  # the last output: the norms
+                return Batched(0)
+            self.partials.append(node)  # a leaf's batch sum
+            return REDUCED
         kind, name = _kind_of(node)
         rule = {"pointwise": self._pointwise, "reduce": self._reduce, "cat": self._cat,
                 "view": self._view}.get(kind)
@@ -129,6 +141,14 @@ class Epilogue:
             raise Unsupported(f"cannot prove that {_op(node)} acts on each example "
                               "independently")
         return rule(node, name) if kind == "reduce" else rule(node)
+
+    def _clip_and_sum(self, node: fx.Node, kinds: list):
+        """``clip_and_sum(C, weighted, *tensors)``: every tensor per example along dim 0 (its
+        outputs are classified at their ``getitem``s)."""
+        if node.kwargs or any(k != Batched(0) for k in kinds) or len(kinds) != len(node.args) - 2:
+            raise Unsupported(f"{_op(node)} takes values that are not per example along dim 0")
+        self.matvec_sums += len(kinds) - int(node.args[1])
+        return Batched(0)
 
     def _pointwise(self, node: fx.Node):
         out = _shape(node)
