@@ -129,6 +129,7 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
     from torch.fx import traceback as fx_traceback
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.random import fork_rng
     from torch.utils import _pytree as pytree
@@ -154,7 +155,10 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
     fake = FakeTensorMode()
     args = [fake.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     try:
-        with dynamo_timed(TRACE_TIMER), fork_rng(devices=[]), fake, enable_python_dispatcher(), \
+        # lazy GraphModules: the traced graph's Python is generated only if it is ever run as is
+        # (fxmem's passes rewrite it first)
+        with dynamo_timed(TRACE_TIMER), _use_lazy_graph_module(True), fork_rng(devices=[]), fake, \
+                enable_python_dispatcher(), \
                 FunctionalTensorMode(pre_dispatch=False, export=False, _allow_token_discovery=True), \
                 torch.autograd.set_multithreading_enabled(False):
             traced = make_fx(run, record_module_stack=True)(*args)

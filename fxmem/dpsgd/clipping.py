@@ -90,22 +90,27 @@ def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...]
                batch_argnums: tuple[int, ...], return_norms: bool, return_losses: bool,
                weighted: bool = False):
     """The compiled step. ``weighted``: its last argument is the examples' weights ``[B]`` (see
-    ``per_example/microbatch.py``); they pass through the ``vmap`` (as the loss's aux value) so that the
-    per-example pass sees them as per-example values, and scale the clip factors."""
-    def loss_and_weight(*args):
-        return loss_fn(*args[:-1]), args[-1]
+    ``per_example/microbatch.py``); they pass through the ``vmap`` so that the per-example pass
+    sees them as per-example values, and scale the clip factors.
+
+    Only the batch arguments (and the weights) go through ``vmap``; the others, the parameters
+    among them, reach the loss from the enclosing call as they are, which is what
+    ``in_dims=None`` gives them. Dynamo inlines ``vmap``'s handling of its inputs leaf by leaf
+    (flatten, in_dims broadcast, unflatten), so this spares it a walk over every parameter at the
+    first call."""
+    position = {arg: k for k, arg in enumerate(batch_argnums)}  # batch argument -> its place in vmap's inputs
 
     def clipped_grad_step(*args):
-        in_dims = tuple(0 if i in batch_argnums else None for i in range(len(args)))
-        weights = None
-        if weighted:
-            g, (losses, weights) = vmap(grad_and_value(loss_and_weight, argnums=argnums, has_aux=True),
-                                        in_dims=in_dims[:-1] + (0,), randomness="different")(*args)
-        else:
-            g, losses = vmap(grad_and_value(loss_fn, argnums=argnums), in_dims=in_dims,
-                             randomness="different")(*args)
+        given = args[:-1] if weighted else args
+
+        def per_example(*examples):
+            one = tuple(examples[position[i]] if i in position else a for i, a in enumerate(given))
+            return *grad_and_value(loss_fn, argnums=argnums)(*one), *examples[len(position):]
+
+        g, losses, *weights = vmap(per_example, randomness="different")(
+            *(given[i] for i in batch_argnums), *args[len(given):])
         leaves, spec = pytree.tree_flatten(g)
-        *sums, norms = clip_and_sum(clipping_norm, weighted, *leaves, *(weights,) * weighted)
+        *sums, norms = clip_and_sum(clipping_norm, weighted, *leaves, *weights)
         if not weighted:  # one batch, no chunk sums to add up: round the sums now
             sums = [s.to(leaf.dtype) for s, leaf in zip(sums, leaves)]
         out = (pytree.tree_unflatten(sums, spec),)

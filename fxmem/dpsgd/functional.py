@@ -41,7 +41,7 @@ def make_functional(model: nn.Module, partition_trainable: bool = True
         frozen[name] = b
 
     slots, edges = _slots(model), _edges(model)
-    known = {key for _, _, key, _ in slots}
+    known = frozenset(key for _, _, key, _ in slots)
 
     def fn(trainable_params: dict[str, torch.Tensor], frozen_params: dict[str, torch.Tensor],
            *args: Any, **kwargs: Any) -> Any:
