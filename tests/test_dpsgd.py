@@ -371,6 +371,37 @@ def test_the_clipping_epilogue_is_one_node_in_dynamos_graph(tiny_gpt, monkeypatc
     assert rel_err(norms, want_norms) <= RTOL
 
 
+@pytest.mark.parametrize("microbatch_size", [None, 2])
+def test_a_second_sequence_length_compiles_anew_with_dropout_on(microbatch_size):
+    """A new sequence length is a new static compile: with Dynamo's automatic dynamic shapes the
+    second length made the sequence dim symbolic, and functorch's dropout under ``vmap`` failed
+    on it (``Cannot call numel() on tensor with symbolic sizes``). The sums at the second length
+    are the ones a step compiled for that length alone gives (same seed), bit for bit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
+                                       use_cache=False, eos_token_id=0, bos_token_id=0))
+    fn, trainable, frozen = make_functional(model)
+
+    def loss(p, ids, labels):
+        return fn(p, frozen, input_ids=ids[None], labels=labels[None]).loss
+
+    def step():
+        return clipped_grad(loss, 1.0, batch_argnums=(1, 2), microbatch_size=microbatch_size, options=EAGER)
+
+    ids = torch.randint(0, 64, (4, 8))
+    reused = step()
+    reused(trainable, ids, ids)
+    short = ids[:, :6]
+    torch.manual_seed(1)
+    got = reused(trainable, short, short)
+    torch.manual_seed(1)
+    want = step()(trainable, short, short)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def test_clip_and_sum_on_a_value_that_is_not_per_example_is_not_chunked():
     """``clip_and_sum`` given a tensor without the batch (here a parameter) cannot be split by
     examples: the per-example pass says so and the step runs unchunked, still correct."""

@@ -203,7 +203,7 @@ class ClippedGradFn:
         with torch.no_grad():
             if self._fixed and self._m is None:
                 self._choose(args, batch)
-            out = self._in_chunks(args, batch) if self._fixed else self.compiled(*args)
+            out = self._in_chunks(args, batch) if self._fixed else self.compiled(*self._static_examples(args))
         params = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
         for c in compilations(self.compiled, match=params):  # what the per-example pass decided
             if c.chunk_plan is not None and all(p is not c.chunk_plan for p in self.plans):
@@ -236,11 +236,34 @@ class ClippedGradFn:
         sums, per_example = acc.result(dtypes)
         return (pytree.tree_unflatten(sums, spec), *per_example)
 
+    def _static_examples(self, args) -> list:
+        """``args`` with each batch tensor replaced by a view of it whose dims after the batch
+        dim Dynamo keeps static (``mark_static``; the view, not the caller's tensor, carries
+        the mark). The batch dim may still become dynamic (Poisson-sampled batches: one
+        compile), but a per-example shape with a symbolic size fails inside functorch's
+        batching rule of dropout (``Cannot call numel() on tensor with symbolic sizes``) at the
+        second sequence length; so a new example shape compiles anew instead."""
+        def static(t):
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                return t
+            view = t.view_as(t)
+            for d in range(1, t.dim()):
+                torch._dynamo.mark_static(view, d)
+            return view
+
+        out = list(args)
+        for i in self.batch_argnums:
+            out[i] = pytree.tree_map(static, args[i])
+        return out
+
     def _compile_at(self, m: int | None) -> Callable:
         """The step compiled for chunks of ``m`` (``"auto"``: one per size it tried)."""
         if m not in self._compiled_at:
             opts = {k: v for k, v in self.options.items() if k != "memory_budget"}
-            self._compiled_at[m] = torch.compile(self._step, backend="fxmem",
+            # static shapes: every chunk has m examples, and a dim that Dynamo made dynamic
+            # after a second sequence length would reach functorch's dropout under vmap, which
+            # cannot take symbolic sizes (see _static_examples); each new shape compiles anew
+            self._compiled_at[m] = torch.compile(self._step, backend="fxmem", dynamic=False,
                                                  options={**opts, "microbatch_size": m})
         return self._compiled_at[m]
 
