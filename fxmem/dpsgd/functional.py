@@ -41,19 +41,18 @@ def make_functional(model: nn.Module, partition_trainable: bool = True
         frozen[name] = b
 
     slots, edges = _slots(model), _edges(model)
-    known = frozenset(key for _, _, key, _ in slots)
+    known = frozenset(key for _, _, key in slots)
 
     def fn(trainable_params: dict[str, torch.Tensor], frozen_params: dict[str, torch.Tensor],
            *args: Any, **kwargs: Any) -> Any:
         values = {**frozen_params, **trainable_params}
-        if not values.keys() <= known or any(parent._modules.get(name) is not child for parent, name, child in edges):
+        if not values.keys() <= known or any(children.get(name) is not child for children, name, child in edges):
             # names the module does not have, or a submodule replaced since: torch's own walk
             return functional_call(model, values, args, kwargs)
         saved = []
         try:
-            for module, attr, key, table in slots:
+            for tensors, attr, key in slots:
                 if key in values:
-                    tensors = getattr(module, table)
                     saved.append((tensors, attr, tensors[attr]))
                     tensors[attr] = values[key]
             return model(*args, **kwargs)
@@ -65,10 +64,11 @@ def make_functional(model: nn.Module, partition_trainable: bool = True
     return fn, trainable, frozen
 
 
-def _slots(model: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
-    """Where each parameter and buffer lives: ``(module, attribute, key, "_parameters" |
-    "_buffers")``, one per name under which the module reaches it (a tied weight's every name,
-    keyed by its first, as ``functional_call(..., tie_weights=True)`` ties them).
+def _slots(model: nn.Module) -> list[tuple[dict, str, str]]:
+    """Where each parameter and buffer lives: ``(table, attribute, key)``, ``table`` the owning
+    module's own ``_parameters`` or ``_buffers`` dict, one per name under which the module
+    reaches the tensor (a tied weight's every name, keyed by its first, as
+    ``functional_call(..., tie_weights=True)`` ties them).
 
     ``fn`` swaps the tensors into these slots itself, as ``functional_call`` does, from a list
     made once here: ``functional_call`` walks the module tree and its name maps on every call,
@@ -80,12 +80,13 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, str, str]]:
         for name, tensor in named(remove_duplicate=False):
             key = first.setdefault(id(tensor), name)
             prefix, _, attr = name.rpartition(".")
-            slots.append((model.get_submodule(prefix), attr, key, table))
+            slots.append((getattr(model.get_submodule(prefix), table), attr, key))
     return slots
 
 
-def _edges(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """Every ``(parent, name, child)`` of the module tree: ``fn`` checks them (a dict lookup each)
-    so that a submodule replaced after ``make_functional`` is never trained through stale slots."""
-    return [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()
+def _edges(model: nn.Module) -> list[tuple[dict, str, nn.Module]]:
+    """Every ``(parent._modules, name, child)`` of the module tree: ``fn`` checks them (a dict
+    lookup each) so that a submodule replaced after ``make_functional`` is never trained
+    through stale slots."""
+    return [(parent._modules, name, child) for parent in model.modules() for name, child in parent._modules.items()
             if child is not None]
