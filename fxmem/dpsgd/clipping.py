@@ -239,10 +239,10 @@ class ClippedGradFn:
     def _static_examples(self, args) -> list:
         """``args`` with each batch tensor replaced by a view of it whose dims after the batch
         dim Dynamo keeps static (``mark_static``; the view, not the caller's tensor, carries
-        the mark). The batch dim may still become dynamic (Poisson-sampled batches: one
-        compile), but a per-example shape with a symbolic size fails inside functorch's
-        batching rule of dropout (``Cannot call numel() on tensor with symbolic sizes``) at the
-        second sequence length; so a new example shape compiles anew instead."""
+        the mark). The batch dim may still become dynamic, but a per-example shape with a
+        symbolic size fails inside functorch's batching rule of dropout (``Cannot call numel()
+        on tensor with symbolic sizes``) at the second sequence length; so a new example shape
+        compiles anew instead."""
         def static(t):
             if not isinstance(t, torch.Tensor) or t.dim() < 2:
                 return t
