@@ -393,6 +393,38 @@ def test_the_default_inductor_inner_compiler_gives_the_loops_clipped_sums():
     assert rel_err(norms, want_norms) <= RTOL
 
 
+_SWAP_MODEL = torch.nn.Sequential(torch.nn.Linear(3, 2))
+_swap_fn, _swap_trainable, _swap_frozen = make_functional(_SWAP_MODEL)
+
+
+def _swap_loss(p, x):  # module level, as in a script: Dynamo reaches the swapped dicts through globals
+    return _swap_fn(p, _swap_frozen, x[None]).square().sum()
+
+
+def test_side_effect_messages_are_formatted_only_when_someone_listens(monkeypatch):
+    """The step's parameter swap mutates a dict per module. Dynamo formats a message with the
+    user's stack for each (a tenth of a second on the README model's first call) only when
+    ``TORCH_LOGS=side_effects`` (or a trace) would show it; the user's policy is back after the
+    call, and the swap's effects are replayed either way (the module keeps its own tensors)."""
+    from torch._dynamo.side_effects import SideEffects
+
+    formatted = []
+    real = SideEffects._format_side_effect_message
+    monkeypatch.setattr(SideEffects, "_format_side_effect_message",
+                        lambda self, var: formatted.append(var) or real(self, var))
+    own = dict(_SWAP_MODEL.named_parameters())
+    x = torch.randn(4, 3)
+    clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
+    assert not formatted and torch._dynamo.config.side_effect_replay_policy == "info"
+    assert all(p is own[k] for k, p in _SWAP_MODEL.named_parameters())
+    torch._logging.set_logs(side_effects=True)
+    try:
+        clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
+    finally:
+        torch._logging.set_logs()
+    assert formatted
+
+
 @pytest.mark.parametrize("microbatch_size", [None, 2])
 def test_a_second_sequence_length_compiles_anew_with_dropout_on(microbatch_size):
     """A new sequence length is a new static compile: with Dynamo's automatic dynamic shapes the

@@ -22,8 +22,10 @@ counted as 0) is in ``clip.py``'s docstring.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import os
 import types
 from typing import Any, Callable, Mapping, Sequence
 
@@ -128,6 +130,28 @@ def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...]
                               clipped_grad_step.__defaults__, clipped_grad_step.__closure__)
 
 
+def _unlogged_side_effects():
+    """Dynamo's side-effect replay without its log messages, where nobody would read them.
+
+    ``make_functional``'s function swaps the tensors into each module's ``_parameters`` and
+    back, so the step mutates one dict per module. Under Dynamo's default policy ("info") each
+    compile formats a message with the user's stack for every mutated object, for
+    ``TORCH_LOGS=side_effects`` and tlparse, whether or not either listens: a tenth of a second
+    on the README model's first call. "silent" replays the same side effects without the
+    messages; it is used only while the policy is the default and neither the side-effects
+    log nor a structured trace (``TORCH_TRACE``) is on."""
+    from torch._logging._internal import LazyTraceHandler, log_state, trace_log
+
+    # torch installs a LazyTraceHandler that writes nothing unless TORCH_TRACE gave it a folder
+    # (or the job runs on Meta's MAST)
+    tracing = os.environ.get("MAST_HPC_JOB_NAME") is not None or any(
+        not isinstance(h, LazyTraceHandler) or h.root_dir is not None for h in trace_log.handlers)
+    config = torch._dynamo.config
+    if config.side_effect_replay_policy != "info" or log_state.is_artifact_enabled("side_effects") or tracing:
+        return contextlib.nullcontext()
+    return config.patch(side_effect_replay_policy="silent")
+
+
 class ClippedGradFn:
     """What :func:`clipped_grad` returns: ``fn(*args)`` -> grads, or a tuple ``(grads, norms?,
     losses?)`` when ``return_norms``/``return_losses`` is set. ``compiled`` is the
@@ -200,7 +224,7 @@ class ClippedGradFn:
         # The result is a clipped gradient, not something to differentiate again: running the
         # compiled step without autograd tracking gives AOTAutograd a forward-only graph (and
         # the per-example pass chunks only such graphs).
-        with torch.no_grad():
+        with torch.no_grad(), _unlogged_side_effects():
             if self._fixed and self._m is None:
                 self._choose(args, batch)
             out = self._in_chunks(args, batch) if self._fixed else self.compiled(*self._static_examples(args))
