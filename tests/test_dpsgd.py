@@ -417,11 +417,13 @@ def test_side_effect_messages_are_formatted_only_when_someone_listens(monkeypatc
     clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
     assert not formatted and torch._dynamo.config.side_effect_replay_policy == "info"
     assert all(p is own[k] for k, p in _SWAP_MODEL.named_parameters())
-    torch._logging.set_logs(side_effects=True)
-    try:
-        clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
-    finally:
-        torch._logging.set_logs()
+    # TORCH_LOGS=side_effects, as fxmem sees it (torch._logging.set_logs would reconfigure every
+    # registered logger, fxmem's too, for the rest of the process)
+    from torch._logging._internal import log_state
+
+    enabled = log_state.is_artifact_enabled
+    monkeypatch.setattr(log_state, "is_artifact_enabled", lambda name: name == "side_effects" or enabled(name))
+    clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
     assert formatted
 
 
