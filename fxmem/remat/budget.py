@@ -158,7 +158,7 @@ def _trimmed(walk: Walk, saved: list[fx.Node], p: CutProblem, pos: dict[fx.Node,
     return plans
 
 
-def _candidate(walk: Walk, p: CutProblem, saved, lam: float) -> Candidate:
+def candidate_of(walk: Walk, p: CutProblem, saved, lam: float) -> Candidate:
     return Candidate(tuple(saved), lam, saved_bytes(p, saved), _cost(walk, p, saved))
 
 
@@ -169,7 +169,7 @@ def _pareto(walk: Walk, p: CutProblem, candidates: list[tuple[list[fx.Node], flo
     more cost than another is never worth its peak. On deep models they are thinned to about
     ``SIMULATED``, evenly along the bytes, keeping ``anchors`` (the frontier's cuts): each
     simulation walks the whole graph."""
-    first, *rest = [_candidate(walk, p, *c) for c in candidates]
+    first, *rest = [candidate_of(walk, p, *c) for c in candidates]
     kept: list[Candidate] = []
     for c in sorted(rest, key=lambda c: (c.nbytes, c.cost)):  # fewest bytes first; stable: the first of equals
         if c.nbytes < first.nbytes and (not kept or c.cost < kept[-1].cost):
@@ -199,7 +199,7 @@ def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p:
               for c in _greedy(walk, [c for c, _ in cuts], p, pos)]
     found = _pareto(walk, p, plans, {tuple(c) for c, _ in cuts})
     known = {c.saved for c in found}
-    found += [_candidate(walk, p, c, LAM_HI) for c in layerwise if tuple(c) not in known]
+    found += [candidate_of(walk, p, c, LAM_HI) for c in layerwise if tuple(c) not in known]
     scored = [replace(c, peak=peak_of(c.saved)) for c in found]
     lowest = min(scored, key=_least_peak)
     # Plans with fewer bytes than the least peak's usually peak much higher; the least peak's
@@ -208,7 +208,7 @@ def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p:
     for c in _trimmed(walk, list(lowest.saved), p, pos):
         if tuple(c) not in known:
             known.add(tuple(c))
-            scored.append(replace(_candidate(walk, p, c, lowest.lam), peak=peak_of(c)))
+            scored.append(replace(candidate_of(walk, p, c, lowest.lam), peak=peak_of(c)))
     how = (f"{len(scored)} candidate plans (frontier cuts, steps between them, greedy mixes, those no other beats "
            "on bytes and recompute, and layerwise checkpoints)")
     return scored, how
@@ -216,18 +216,19 @@ def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p:
 
 def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Node], keep: set[fx.Node],
                problem: Callable[[frozenset], CutProblem], layerwise: list[list[fx.Node]] = (),
-               fewest_bytes: bool = False) -> tuple[Candidate, Candidate, str, set[fx.Node]]:
+               fewest_bytes: bool = False) -> tuple[Candidate, list[Candidate], str, set[fx.Node]]:
     """A level's plan where its own does not lower the peak: among the :func:`candidates`, the
     least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
     recompute that lowers nothing is not paid for; with ``fewest_bytes``, the fewest kept bytes
     among them (``memory_budget=0.0``'s plan: what a graph keeps is alive through the graphs
-    after it). Returns (that plan, ``saved0``'s candidate, how the candidates are named, the
-    recomputable set)."""
+    after it). Returns (that plan, every candidate scored, ``saved0``'s first, how they are
+    named, the recomputable set: a candidate's own recomputable set is it and what the candidate
+    recomputes)."""
     recomp = recomputable - keep
     scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
     chosen = min(scored, key=_least_peak) if fewest_bytes else \
         _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)))
-    return chosen, scored[0], how, recomp | ctx.walk(chosen.saved)
+    return chosen, scored, how, recomp
 
 
 def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node],

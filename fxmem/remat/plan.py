@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy
 import torch.fx as fx
@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..warn import brief, warn
 from .allowlist import CHEAP, HEAVY, kind
-from .budget import least_peak, within_budget
+from .budget import Candidate, candidate_of, least_peak, within_budget
 from .clusters import Cluster
 from .context import PlanContext
 from .layers import every_kth
@@ -169,7 +169,8 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
                 notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
     """Level 1's (and 2's) plan: its own layerwise plan ``own`` = (saved, weight, recomputable)
     where that lowers level 0's peak and comes within ``LEVEL_SLACK`` of the least simulated peak
-    among the budget's candidates; else the plan of least simulated peak (as
+    among the budget's candidates, unless the least peak's plan also keeps fewer bytes and
+    recomputes less (:func:`_dominates`); else the plan of least simulated peak (as
     ``memory_budget=0.0`` would, but the least recompute at that peak): level 0's where nothing
     peaks lower. Layer boundaries are a heuristic; the simulated peak judges it. A graph that
     is one part of a step (no loss in it) takes ``memory_budget=0.0``'s plan."""
@@ -178,16 +179,23 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     # the step (Dynamo split the step at a graph break): what it keeps is alive while the rest
     # runs, which its own simulated peak does not see, so it keeps the fewest bytes at its least peak.
     partial = not any(_scalar(t) for t in ctx.joint.tangents)
-    chosen, first, how, least_final = least_peak(ctx, level0, recomputable, must_save, problem,
-                                                 _layerwise(ctx, must_save, problem), fewest_bytes=partial)
+    chosen, scored, how, recomp = least_peak(ctx, level0, recomputable, must_save, problem,
+                                             _layerwise(ctx, must_save, problem), fewest_bytes=partial)
+    first, which = scored[0], "the plan of least simulated peak"
     level = f"level {settings.level}"
     if saved is not None and partial:
         why = "its graph returns no loss (a graph break splits the step) and what it keeps stays alive after it"
     elif saved is not None:
-        peak = ctx.peak(saved)
-        if peak <= chosen.peak * (1 + LEVEL_SLACK):
+        mine = replace(candidate_of(ctx.walk, problem(frozenset()), saved, lam), peak=ctx.peak(saved))
+        dominant = [c for c in scored if _dominates(c, mine)]
+        if mine.peak > chosen.peak * (1 + LEVEL_SLACK):
+            why = f"its layerwise plan's simulated peak ({mine.peak} bytes) is {mine.peak / chosen.peak:.3f}x the least"
+        elif dominant:
+            chosen, which = min(dominant, key=lambda c: (c.nbytes, c.cost)), "that plan"
+            why = (f"a plan peaking no higher keeps {chosen.nbytes} bytes and recomputes {chosen.cost:.4g} "
+                   f"(its layerwise plan: {mine.nbytes} bytes, {mine.cost:.4g})")
+        else:
             return saved, lam, final
-        why = f"its layerwise plan's simulated peak ({peak} bytes) is {peak / chosen.peak:.3f}x the least"
     else:
         why = "no repeated layers found in the graph" if not ctx.layer else \
             "its plan's simulated peak is not below level 0's"
@@ -195,10 +203,19 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     if chosen.saved == first.saved or not better:
         notes.append(f"{level}: {why}; using level 0's plan (no plan among {how} peaks lower)")
         return level0, TIEBREAK, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}
-    notes.append(f"{level}: {why}; using the plan of least simulated peak among {how}: saved "
+    notes.append(f"{level}: {why}; using {which} among {how}: saved "
                  f"{chosen.nbytes} bytes, simulated peak {chosen.peak} bytes (level 0's plan: {first.nbytes} bytes, "
                  f"{first.peak})")
-    return list(chosen.saved), chosen.lam, least_final
+    return list(chosen.saved), chosen.lam, recomp | ctx.walk(chosen.saved)
+
+
+def _dominates(a: Candidate, b: Candidate) -> bool:
+    """``a`` is no worse than ``b`` in simulated peak, kept bytes and recompute, and better in one
+    of the last two: nothing is gained by ``b`` (a layerwise plan within the slack of the least
+    peak can keep more and recompute more than the least peak's plan; the simulated peak is the
+    estimate's least certain part under Inductor, whose fusion it does not model)."""
+    return (a.peak <= b.peak and a.nbytes <= b.nbytes and a.cost <= b.cost
+            and (a.nbytes, a.cost) != (b.nbytes, b.cost))
 
 
 def _scalar(node: fx.Node) -> bool:
