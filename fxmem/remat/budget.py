@@ -221,9 +221,9 @@ def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Nod
     least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
     recompute that lowers nothing is not paid for; with ``fewest_bytes``, the fewest kept bytes
     among them (``memory_budget=0.0``'s plan: what a graph keeps is alive through the graphs
-    after it). Returns (that plan, every candidate scored, ``saved0``'s first, how they are
-    named, the recomputable set: a candidate's own recomputable set is it and what the candidate
-    recomputes)."""
+    after it). Returns (that plan, every candidate scored with ``saved0``'s first, how they are
+    named, the recomputable set less ``keep``: a chosen plan's recomputable set is that and what
+    the plan recomputes)."""
     recomp = recomputable - keep
     scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
     chosen = min(scored, key=_least_peak) if fewest_bytes else \

@@ -169,8 +169,9 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
                 notes: list[str]) -> tuple[list[fx.Node], float, set[fx.Node]]:
     """Level 1's (and 2's) plan: its own layerwise plan ``own`` = (saved, weight, recomputable)
     where that lowers level 0's peak and comes within ``LEVEL_SLACK`` of the least simulated peak
-    among the budget's candidates, unless the least peak's plan also keeps fewer bytes and
-    recomputes less (:func:`_dominates`); else the plan of least simulated peak (as
+    among the budget's candidates, unless a candidate peaking no higher keeps fewer bytes and
+    recomputes less (:func:`_dominates`: then the fewest bytes among those); else the plan of
+    least simulated peak (as
     ``memory_budget=0.0`` would, but the least recompute at that peak): level 0's where nothing
     peaks lower. Layer boundaries are a heuristic; the simulated peak judges it. A graph that
     is one part of a step (no loss in it) takes ``memory_budget=0.0``'s plan."""
@@ -187,15 +188,14 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
         why = "its graph returns no loss (a graph break splits the step) and what it keeps stays alive after it"
     elif saved is not None:
         mine = replace(candidate_of(ctx.walk, problem(frozenset()), saved, lam), peak=ctx.peak(saved))
-        dominant = [c for c in scored if _dominates(c, mine)]
         if mine.peak > chosen.peak * (1 + LEVEL_SLACK):
             why = f"its layerwise plan's simulated peak ({mine.peak} bytes) is {mine.peak / chosen.peak:.3f}x the least"
-        elif dominant:
+        elif not (dominant := [c for c in scored if _dominates(c, mine)]):
+            return saved, lam, final
+        else:
             chosen, which = min(dominant, key=lambda c: (c.nbytes, c.cost)), "that plan"
             why = (f"a plan peaking no higher keeps {chosen.nbytes} bytes and recomputes {chosen.cost:.4g} "
                    f"(its layerwise plan: {mine.nbytes} bytes, {mine.cost:.4g})")
-        else:
-            return saved, lam, final
     else:
         why = "no repeated layers found in the graph" if not ctx.layer else \
             "its plan's simulated peak is not below level 0's"
