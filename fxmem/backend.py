@@ -61,7 +61,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
             decision = decide(gm, example_inputs, opts)                           # lowering (decided)
         with _stage(f"compile (AOT trace, plan, split, {opts.inner} inner compiler)"):
             compiled, planned, lowered = _compile(gm, decision, example_inputs, opts.inner, settings,
-                                                   opts.inductor_layout())  # AOT..
+                                                   opts.inductor_config())  # AOT..
     except Exception as e:  # noqa: BLE001 - the failure policy decides
         stage_failed("compile", e, opts)
         return Compiled(inner.compile_safe(gm, example_inputs), comp)  # the graph as Dynamo gave it: no lowering
@@ -71,14 +71,15 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
 
 
 def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], inner_name: str,
-             settings: PlanSettings, layout: bool | None) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
+             settings: PlanSettings,
+             config: Mapping[str, Any]) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
     """AOTAutograd with fxmem's partitioner (sizes, plan, split; the compared matches decided
     there), then the inner compiler, on the decided graph; where that fails (e.g. a fused kernel's
     backward differentiated again), on the unlowered graph, with the report saying why."""
     partitioner = Partitioner(settings, decision.compared)
     try:
         code = file_code(partitioner.planned)  # the inner compiler's code, for the report
-        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code, layout)
+        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code, config)
         return compiled, partitioner.planned, decision.outcome(partitioner.declined)
     except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
         if decision.gm is gm or not is_failure(e):
@@ -88,7 +89,7 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
         why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
                "the unlowered one could")
     partitioner = Partitioner(settings)
-    return inner.compile_joint(gm, example_inputs, inner_name, partitioner, file_code(partitioner.planned), layout), \
+    return inner.compile_joint(gm, example_inputs, inner_name, partitioner, file_code(partitioner.planned), config), \
         partitioner.planned, decision.lowering.declined(why)
 
 
@@ -146,7 +147,7 @@ def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation,
     ghost_pass = per_example.Ghost(comp.options if ghost else None, gm)  # None: ghost clipping off
     compiled = inner.compile_flat(gm, example_inputs, inner_name, lambda g: per_example.plan_flat(g, partitioner),
                                   rewrite=ghost_pass if ghost_pass.enabled else None,
-                                  layout=comp.options.inductor_layout())
+                                  config=comp.options.inductor_config())
     if ghost_pass.decisions and comp.chunk_plan is not None:
         comp.chunk_plan.ghost = ghost_pass.decisions
     publish(comp, partitioner.planned, lowered)

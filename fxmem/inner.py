@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -56,18 +57,13 @@ def eager(gm: fx.GraphModule, example_inputs: Any):
     return box
 
 
-def inductor_patches(layout: bool | None) -> dict[str, Any]:
-    """Inductor config patches for fxmem's compiles: ``layout`` (``Options.inductor_layout``)
-    sets ``layout_optimization`` where it is not None."""
-    return {} if layout is None else {"layout_optimization": layout}
-
-
 def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partition_fn: Any,
-                  on_code: Callable[[str, str], None] | None = None, layout: bool | None = None):
+                  on_code: Callable[[str, str], None] | None = None, config: Mapping[str, Any] = MappingProxyType({})):
     """A training graph: AOTAutograd with ``partition_fn`` (fxmem's partitioner), then the inner
     compiler (``"eager"`` or ``"inductor"``) on the forward and backward graphs. ``on_code(kind,
     source)``: Inductor's wrapper code of the ``"forward"`` and, when it is compiled (at the first
-    backward for static shapes), the ``"backward"``; ``layout``: ``inductor_patches``."""
+    backward for static shapes), the ``"backward"``; ``config``: Inductor config patches
+    (``Options.inductor_config``)."""
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
@@ -82,7 +78,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
     # refuses unless marked: its subgraphs are submodules, pickled into the key like the graph.
     cacheable = {**inductor_config.unsafe_marked_cacheable_functions, CONTROL_DEPS: torch.__version__}
     patches = {"custom_partitioner_fn": partition_fn, "unsafe_marked_cacheable_functions": cacheable,
-               **inductor_patches(layout)}
+               **config}
     with functorch_config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=_reading_code(on_code))
 
@@ -193,7 +189,7 @@ def _as_inference(run: Callable[[list], Any]) -> Callable:
 
 
 def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any, rewrite: Any = None,
-                 layout: bool | None = None):
+                 config: Mapping[str, Any] = MappingProxyType({})):
     """A graph that runs without an outer backward (a per-example chunk): its flat aten graph
     (``trace_flat``, else AOTAutograd's); ``rewrite`` (ghost norms, optional) runs on it before
     Inductor's decompositions, ``plan`` (the recompute plan of the inner backward) after them;
@@ -214,7 +210,7 @@ def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any
     def inner_compile(g, ins, **kwargs):
         return compile_fx_inner(plan(g), ins, **kwargs)
 
-    patches = inductor_patches(layout)
+    patches = dict(config)
     if rewrite is None:
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     def fw(g, ins):

@@ -115,8 +115,24 @@ class Options:
         converts every conv graph: ViT at tiny shapes peaks 1.6x eager with it, 0.98x without)."""
         if self.layout_optimization is not None:
             return self.layout_optimization
-        asked = self.level >= 1 or any(v is not None for v in (self.memory_budget, self.peak_budget, self.fit))
-        return False if asked else None
+        return False if self.memory_first() else None
+
+    def memory_first(self) -> bool:
+        """The options ask for memory over speed: level >= 1 or a budget."""
+        return self.level >= 1 or any(v is not None for v in (self.memory_budget, self.peak_budget, self.fit))
+
+    def inductor_config(self) -> dict[str, Any]:
+        """Inductor config patches for fxmem's compiles: ``layout_optimization`` as
+        :meth:`inductor_layout` says, where it is not None; and, where memory comes first,
+        ``allow_buffer_reuse`` off. With it on, Inductor's wrapper keeps a dead buffer's storage
+        until a later buffer of the same size takes it over, alive through whatever runs between
+        (an MoE backward held expert-sized buffers through the next layer's: docs/benchmarks.md);
+        off, each buffer is freed at its last use and a new one is allocated, which an allocator
+        serves from its free blocks (fxmem predicts that schedule from the code either way). An
+        output written in place of a dead input (``inplace_buffers``) is kept: it costs nothing."""
+        layout = self.inductor_layout()
+        return {**({} if layout is None else {"layout_optimization": layout}),
+                **({"allow_buffer_reuse": False} if self.memory_first() else {})}
 
     def key(self) -> str:
         """A stable string of every option: goes into cache keys."""

@@ -69,7 +69,10 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
     scatter_into_sums(gm)
     extern_scatter_sums(gm)
     accumulate_matmul_sums(gm)
-    deps = {**_recompute_fences(gm, recomputed), **_early_matmuls(gm)}
+    deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    for found in (_recompute_fences(gm, recomputed), _early_matmuls(gm), _early_weight_gradients(gm)):
+        for n, before in found.items():
+            deps.setdefault(n, OrderedSet()).update(before)
     if deps:
         preserve_node_ordering(gm.graph, deps)
         gm.graph.lint()
@@ -194,6 +197,19 @@ def _early_matmuls(bw: fx.GraphModule) -> dict[fx.Node, OrderedSet[fx.Node]]:
     return deps
 
 
+def _returned(n: fx.Node) -> bool:
+    """``n`` is read only by the graph's output, directly or through views."""
+    return bool(n.users) and all(u.op == "output" or (u.op == "call_function" and is_view(u) and _returned(u))
+                                 for u in n.users)
+
+
+def _early_weight_gradients(bw: fx.GraphModule) -> dict[fx.Node, OrderedSet[fx.Node]]:
+    """The matmul after each weight gradient's (a heavy op read only by the output) -> that
+    weight gradient's: it runs where the plan put it, next to its input's other readers."""
+    heavy = [n for n in bw.graph.nodes if n.op == "call_function" and kind(n) == HEAVY]
+    return {after: OrderedSet([n]) for n, after in zip(heavy, heavy[1:]) if _returned(n)}
+
+
 _SAME_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}
 
 
@@ -291,8 +307,47 @@ def _(mask, indices, values, shape):
     return values.new_empty(shape)
 
 
+@torch.library.custom_op("fxmem::embedding_grad", mutates_args=())
+def embedding_grad(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
+    """``aten.embedding_dense_backward`` (eager's kernel), opaque to Inductor: no mask, clamped
+    indices or negated mask besides the gradient (the decomposition's
+    :func:`scatter_add_into_zeros` form allocates those, a few hundred bytes at the backward's
+    end, where every parameter gradient is alive)."""
+    return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, False)
+
+
+@embedding_grad.register_fake
+def _(grad, indices, num_weights, padding_idx):
+    return grad.new_empty((num_weights, *grad.shape[indices.dim():]))
+
+
+def _scalar_of(n: object, target, value: object) -> fx.Node | None:
+    """``x`` where ``n`` is ``target(x, value)``; else None."""
+    ok = isinstance(n, fx.Node) and n.target is target and len(n.args) == 2 and isinstance(n.args[0], fx.Node)
+    return n.args[0] if ok and (value is None or n.args[1] == value) else None
+
+
+def _embedding_padding(mask: fx.Node, index: fx.Node, rows: int) -> int | None:
+    """``padding_idx`` where ``mask`` is torch's ``embedding_dense_backward`` decomposition's
+    (``(i >= 0) & (i < rows) & (i != padding_idx)``, unsqueezed to the gradient's rank, of
+    ``index``); else None."""
+    while mask.op == "call_function" and mask.target is aten.unsqueeze.default:
+        mask = mask.args[0]
+    if mask.target is not aten.bitwise_and.Tensor:
+        return None
+    valid, ne = mask.args
+    if _scalar_of(ne, aten.ne.Scalar, None) is not index or not isinstance(valid, fx.Node) \
+            or valid.target is not aten.bitwise_and.Tensor:
+        return None
+    ge, lt = valid.args
+    if _scalar_of(ge, aten.ge.Scalar, 0) is not index or _scalar_of(lt, aten.lt.Scalar, rows) is not index:
+        return None
+    return ne.args[1] if isinstance(ne.args[1], int) else None
+
+
 def extern_scatter_sums(bw: fx.GraphModule) -> int:
-    """A masked accumulating scatter (an embedding's gradient) into fresh zeros, of a sum ->
+    """A masked accumulating scatter into fresh zeros, of a sum -> ``fxmem::embedding_grad``
+    where it is an embedding's gradient as torch decomposes it, else
     ``fxmem::scatter_add_into_zeros`` (rewrites ``bw`` in place); returns how many."""
     count = 0
     for n in list(bw.graph.nodes):
@@ -302,18 +357,34 @@ def extern_scatter_sums(bw: fx.GraphModule) -> int:
         base, mask, indices, values = n.args
         if not (isinstance(values, fx.Node) and values.target is aten.add.Tensor):
             continue
+        shape = list(base.args[0])
+        padding = _embedding_padding(mask, indices[0], shape[0]) if len(indices) == 1 else None
         with bw.graph.inserting_before(n):
-            new = bw.graph.call_function(torch.ops.fxmem.scatter_add_into_zeros.default,
-                                         (mask, indices, values, list(base.args[0])))
+            if padding is not None:
+                new = bw.graph.call_function(torch.ops.fxmem.embedding_grad.default,
+                                             (values, indices[0], shape[0], padding))
+            else:
+                new = bw.graph.call_function(torch.ops.fxmem.scatter_add_into_zeros.default,
+                                             (mask, indices, values, shape))
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         bw.graph.erase_node(n)
         bw.graph.erase_node(base)
+        _erase_unread(bw.graph, mask)
         count += 1
     if count:
         bw.graph.lint()
         bw.recompile()
     return count
+
+
+def _erase_unread(graph: fx.Graph, n: object) -> None:
+    """Erase ``n`` and the ops it alone read, where nothing reads it (a replaced op's mask)."""
+    if isinstance(n, fx.Node) and n.op == "call_function" and not n.users:
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        for a in inputs:
+            _erase_unread(graph, a)
 
 
 _SCATTERS = (aten._unsafe_masked_index_put_accumulate.default, aten.index_put.default)
