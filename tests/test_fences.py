@@ -168,6 +168,54 @@ def test_an_embedding_gradient_of_a_sum_runs_as_its_own_op_after_the_sum():
     torch.testing.assert_close(compiled(*args)[0], want, rtol=0, atol=1e-6)
 
 
+def test_an_embedding_gradient_as_torch_decomposes_it_runs_as_eagers_kernel():
+    """``embedding_dense_backward``'s decomposition (a mask of in-range, non-padding ids and a
+    masked scatter into zeros) of a sum becomes ``fxmem::embedding_grad``: eager's kernel, with
+    no mask, clamped ids or negated mask allocated at the backward's end; the mask's ops are
+    gone; the gradient equals eager's (integer-valued rows: every order of the sum is exact),
+    padding row included."""
+    def backward(a, b, ids):
+        zeros = aten.full.default([8, 4], 0, dtype=torch.float32, layout=torch.strided, device="cpu",
+                                  pin_memory=False)
+        valid = aten.bitwise_and.Tensor(aten.ge.Scalar(ids, 0), aten.lt.Scalar(ids, 8))
+        mask = aten.unsqueeze.default(aten.bitwise_and.Tensor(valid, aten.ne.Scalar(ids, 5)), -1)
+        return (aten._unsafe_masked_index_put_accumulate.default(zeros, mask, [ids], aten.add.Tensor(a, b)),)
+
+    args = (torch.randint(-4, 4, (6, 4)).float(), torch.randint(-4, 4, (6, 4)).float(),
+            torch.tensor([1, 5, 1, 7, 0, 5]))
+    gm = make_fx(backward)(*args)
+    out = for_inductor(gm, set())
+    (op,) = _calls(out, torch.ops.fxmem.embedding_grad.default)
+    assert op.args[2:] == (8, 5)
+    assert not [n for n in out.graph.nodes if n.op == "call_function" and n.target is not aten.add.Tensor
+                and n is not op], out.graph
+    want = aten.embedding_dense_backward.default(args[0] + args[1], args[2], 8, 5, False)
+    got = out(*args)[0]
+    assert torch.equal(got, want) and torch.equal(got, gm(*args)[0]) and not got[5].any()
+    compiled = torch.compile(out, backend="inductor")
+    assert torch.equal(compiled(*args)[0], want)
+
+
+def test_a_weight_gradient_runs_before_the_next_matmul():
+    """A matmul read only by the backward's output (a weight's gradient) orders the next matmul
+    after it, so Inductor cannot run it last and keep its input (a vocabulary-sized logits
+    gradient) alive through the whole backward; matmuls whose products are read on are not
+    fenced. The values are unchanged."""
+    def backward(g, h, w):
+        head = aten.mm.default(aten.t.default(g), h)   # the head's weight gradient: returned
+        dh = aten.mm.default(g, w)                     # the input gradient, read on
+        dw = aten.mm.default(aten.t.default(dh), h)    # another weight gradient, the last matmul
+        return head, aten.mul.Tensor(dh, 2.0), dw
+
+    args = (torch.randn(6, 8), torch.randn(6, 4), torch.randn(8, 4))
+    gm = make_fx(backward)(*args)
+    out = for_inductor(gm, set())
+    (d,) = _calls(out, control_deps)
+    assert d.name == "mm_1" and [a.name for a in d.args[0]] == ["mm"]
+    for a, b in zip(gm(*args), out(*args)):
+        assert torch.equal(a, b)
+
+
 def _peak(step) -> int:
     step()
     step()

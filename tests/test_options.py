@@ -208,3 +208,16 @@ def test_plan_shape_names_are_checked_against_the_graphs_dims(dynamic):
     sizes = comp.graphs[0].sizes
     assert {sizes.names[s]: v for s, v in sizes.values.items()} == ({"x.size(0)": 64, "x.size(1)": 16} if dynamic
                                                                     else {})
+
+
+@pytest.mark.parametrize("options, config", [
+    ({}, {}),
+    ({"layout_optimization": True}, {"layout_optimization": True}),
+    ({"level": 1}, {"layout_optimization": False, "allow_buffer_reuse": False}),
+    ({"memory_budget": 0.5}, {"layout_optimization": False, "allow_buffer_reuse": False}),
+    ({"level": 2, "layout_optimization": True}, {"layout_optimization": True, "allow_buffer_reuse": False}),
+])
+def test_inductor_config_trades_speed_for_memory_only_where_memory_comes_first(options, config):
+    """Level 0 without budgets keeps Inductor's own choices (the layout where the option sets
+    it); a level or budget turns its channels-last copies and its buffer pool off."""
+    assert resolve(options).inductor_config() == config

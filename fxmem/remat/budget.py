@@ -216,18 +216,20 @@ def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p:
 
 def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Node], keep: set[fx.Node],
                problem: Callable[[frozenset], CutProblem], layerwise: list[list[fx.Node]] = (),
-               fewest_bytes: bool = False) -> tuple[Candidate, list[Candidate], str, set[fx.Node]]:
+               fewest_bytes: bool = False, tie: Callable[[Candidate], int] | None = None,
+               ) -> tuple[Candidate, list[Candidate], str, set[fx.Node]]:
     """A level's plan where its own does not lower the peak: among the :func:`candidates`, the
     least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
     recompute that lowers nothing is not paid for; with ``fewest_bytes``, the fewest kept bytes
     among them (``memory_budget=0.0``'s plan: what a graph keeps is alive through the graphs
-    after it). Returns (that plan, every candidate scored with ``saved0``'s first, how they are
-    named, the recomputable set less ``keep``: a chosen plan's recomputable set is that and what
-    the plan recomputes)."""
+    after it); with ``tie``, the least ``tie`` among them first (a second peak model). Returns
+    (that plan, every candidate scored with ``saved0``'s first, how they are named, the
+    recomputable set less ``keep``: a chosen plan's recomputable set is that and what the plan
+    recomputes)."""
     recomp = recomputable - keep
     scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
     chosen = min(scored, key=_least_peak) if fewest_bytes else \
-        _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)))
+        _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)), tie)
     return chosen, scored, how, recomp
 
 
@@ -311,12 +313,14 @@ def _unmet(settings: PlanSettings, short: str, msg: str, lowest: Candidate, note
     notes.append(msg)
 
 
-def _cheapest_under(scored: list[Candidate], peak: int) -> Candidate | None:
+def _cheapest_under(scored: list[Candidate], peak: int,
+                    tie: Callable[[Candidate], int] | None = None) -> Candidate | None:
     """The least recompute (then the lowest peak) among the plans whose simulated step peak is at
-    most ``peak``; None when none is. Lowering the cap only removes plans, and the plan chosen
-    above stays chosen while it fits: a lower cap never gives a higher simulated peak."""
+    most ``peak`` (the least ``tie`` first, where given); None when none is. Lowering the cap
+    only removes plans, and the plan chosen above stays chosen while it fits: a lower cap never
+    gives a higher simulated peak."""
     fits = [c for c in scored if c.peak <= peak]
-    return min(fits, key=lambda c: (c.cost, c.peak, -c.nbytes)) if fits else None
+    return min(fits, key=lambda c: (tie(c) if tie else 0, c.cost, c.peak, -c.nbytes)) if fits else None
 
 
 def _choose(scored: list[Candidate], cap: int) -> tuple[Candidate | None, int]:

@@ -70,7 +70,8 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
     extern_scatter_sums(gm)
     accumulate_matmul_sums(gm)
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
-    for found in (_recompute_fences(gm, recomputed), _early_matmuls(gm), _early_weight_gradients(gm)):
+    for found in (_recompute_fences(gm, recomputed), _early_matmuls(gm),
+                  _early_weight_gradients(gm, recomputed)):
         for n, before in found.items():
             deps.setdefault(n, OrderedSet()).update(before)
     if deps:
@@ -203,11 +204,20 @@ def _returned(n: fx.Node) -> bool:
                                  for u in n.users)
 
 
-def _early_weight_gradients(bw: fx.GraphModule) -> dict[fx.Node, OrderedSet[fx.Node]]:
+def _early_weight_gradients(bw: fx.GraphModule, recomputed: set[str]) -> dict[fx.Node, OrderedSet[fx.Node]]:
     """The matmul after each weight gradient's (a heavy op read only by the output) -> that
-    weight gradient's: it runs where the plan put it, next to its input's other readers."""
-    heavy = [n for n in bw.graph.nodes if n.op == "call_function" and kind(n) == HEAVY]
-    return {after: OrderedSet([n]) for n, after in zip(heavy, heavy[1:]) if _returned(n)}
+    weight gradient's: it runs where the plan put it, next to its input's other readers. Not
+    where it reads a recomputed matmul's product (a plan that recomputes the forward's layers
+    first): there Inductor's own order keeps fewer recomputed values alive."""
+    heavy, late = [], set()
+    for n in bw.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if kind(n) == HEAVY:
+            heavy.append(n)
+        if (n.name in recomputed and kind(n) == HEAVY) or any(a in late for a in n.all_input_nodes):
+            late.add(n)
+    return {after: OrderedSet([n]) for n, after in zip(heavy, heavy[1:]) if _returned(n) and n not in late}
 
 
 _SAME_SHAPE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default}

@@ -173,24 +173,26 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     recomputes less (:func:`_dominates`: then the fewest bytes among those); else the plan of
     least simulated peak (as ``memory_budget=0.0`` would, but the least recompute at that peak):
     level 0's where nothing peaks lower. Layer boundaries are a heuristic; the simulated peak
-    judges it. A graph that is one part of a step (no loss in it), or one for an inner compiler
-    whose peak is not simulated exactly (``Target.exact_peak``), takes ``memory_budget=0.0``'s
-    plan there (the fewest bytes at the least peak)."""
+    judges it. A graph that is one part of a step (no loss in it) takes ``memory_budget=0.0``'s
+    plan (the fewest bytes at the least peak); one for an inner compiler whose peak the simulator
+    does not model exactly (``Target.exact_peak``) ranks the plans at the least peak with its
+    fusion modeled (``StepPeak.fused``)."""
     saved, lam, final = own
     # A graph that returns no scalar to differentiate (a loss) passes its outputs on to more of
     # the step (Dynamo split the step at a graph break): what it keeps is alive while the rest
     # runs, which its own simulated peak does not see, so it keeps the fewest bytes at its least peak.
     partial = not any(_scalar(t) for t in ctx.joint.tangents)
-    # An inner compiler whose peak the simulator does not model exactly (Inductor fuses ops it
-    # allocates, so the kept values are a larger share of what runs): of the plans at the least
-    # simulated peak, the fewest kept bytes, as for a partial graph.
-    by_bytes = partial or not ctx.target.exact_peak
+    # An inner compiler that fuses ops the simulator allocates (Inductor): plans tied at the
+    # least simulated peak (its backward's peak in ops every plan runs alike) are ranked with
+    # that fusion modeled (``fusion``), then by recompute.
+    fused = not partial and not ctx.target.exact_peak
     chosen, scored, how, recomp = least_peak(ctx, level0, recomputable, must_save, problem,
-                                             _layerwise(ctx, must_save, problem), fewest_bytes=by_bytes)
+                                             _layerwise(ctx, must_save, problem), fewest_bytes=partial,
+                                             tie=(lambda c: ctx.peak.fused(c.saved)) if fused else None)
     first = scored[0]
     which = "the plan of least simulated peak" + (
-        f" (the fewest kept bytes at that peak: {ctx.target.name}'s fusion is not simulated)" if by_bytes
-        and not partial else "")
+        f" (of those, the least peak with {ctx.target.name}'s fusion modeled, then the least recompute)"
+        if fused else "")
     level = f"level {settings.level}"
     if saved is not None and partial:
         why = "its graph returns no loss (a graph break splits the step) and what it keeps stays alive after it"
@@ -207,7 +209,9 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     else:
         why = "no repeated layers found in the graph" if not ctx.layer else \
             "its plan's simulated peak is not below level 0's"
-    better = (chosen.peak, chosen.nbytes) < (first.peak, first.nbytes) if by_bytes else chosen.peak < first.peak
+    # (a tie ranked by fusion: the level's own plan comes first, so another was ranked lower)
+    better = ((chosen.peak, chosen.nbytes) < (first.peak, first.nbytes) if partial
+              else chosen.saved != first.saved if fused else chosen.peak < first.peak)
     if chosen.saved == first.saved or not better:
         notes.append(f"{level}: {why}; using level 0's plan (no plan among {how} peaks lower)")
         return level0, TIEBREAK, {n for n in ctx.fwd_nodes if kind(n) == CHEAP}

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors
 from ..graph.liveness import AtShape, NodeFacts, peak_bytes, storage_roots, walk
 from ..graph.reuse import dead_writes, write_candidates
 from ..graph.sizes import SymbolicSizes
+from .fusion import fused_away, fused_facts
 from .replay import generator_state
 from .settings import Target
 from .split import handoff, late_order
@@ -41,6 +43,15 @@ class StepPeak:
         self._reuse = partial(dead_writes, candidates=writes.__getitem__) if target.reuses_buffers else None
 
     def __call__(self, saved) -> int:
+        return max(self._phases(saved, fused=False))
+
+    def fused(self, saved) -> int:
+        """The step peak of keeping ``saved`` with Inductor's fusion modeled (``.fusion``): ops
+        never stored are not allocated. Ranks plans whose :meth:`__call__` peaks tie."""
+        return max(self._phases(saved, fused=True))
+
+    def _phases(self, saved, fused: bool) -> tuple[int, int]:
+        """(forward peak, backward peak) of keeping ``saved``."""
         joint = self.joint
         recomputed, tensors, syms_sorted = handoff(joint, set(saved), self.pos, self._symbols.__getitem__,
                                                    self.bindings)
@@ -51,13 +62,19 @@ class StepPeak:
         # hands it out as well
         states = {n for n in tensors if n.op == "call_function" and n.target is generator_state}
         fw_body = [n for n in fw_body if not (n.op == "call_function" and n.target is generator_state)]
-        fw = walk(primals, fw_body, fw_out, self._bytes, self._facts, reuse=self._reuse, states=states)
+        fw_body, fw_facts = self._fused(fw_body, fw_out) if fused else (fw_body, self._facts)
+        fw = walk(primals, fw_body, fw_out, self._bytes, fw_facts, reuse=self._reuse, states=states)
         bw_in = [*syms_sorted, *tensors, *joint.tangents]
         stop = set(bw_in)
         bw_body = late_order(joint.gm, ancestors(list(joint.bwd_outputs), stop=stop) - stop, set(recomputed))
+        bw_body, bw_facts = self._fused(bw_body, joint.bwd_outputs) if fused else (bw_body, self._facts)
         first: dict = {}
         shared = {n: (first.setdefault(self._storage[n], n), self._storage[n]) for n in tensors
                   if self._storage[n].op != "placeholder"}
-        bw = walk(bw_in, bw_body, joint.bwd_outputs, self._bytes, self._facts,
+        bw = walk(bw_in, bw_body, joint.bwd_outputs, self._bytes, bw_facts,
                   counted={n for n in bw_in if n.name not in self.names}, shared=shared, reuse=self._reuse)
-        return max(peak_bytes(fw), peak_bytes(bw))
+        return peak_bytes(fw), peak_bytes(bw)
+
+    def _fused(self, body: list, outputs) -> tuple[list, NodeFacts]:
+        gone = fused_away(body, [o for o in outputs if isinstance(o, fx.Node)])
+        return [n for n in body if n not in gone], fused_facts(self._facts, body, gone)
