@@ -216,6 +216,22 @@ def test_a_weight_gradient_runs_before_the_next_matmul():
         assert torch.equal(a, b)
 
 
+def test_a_weight_gradient_of_a_recomputed_matmul_is_left_to_inductor():
+    """Where the weight gradient reads a recomputed matmul's product (a plan that recomputes
+    the forward's layers at the backward's start), it is not fenced: held to the plan's order,
+    Llama's ``memory_budget=0.0`` plan measured 276,104 bytes against 240,776 in Inductor's."""
+    def backward(g, x, w, h):
+        hidden = aten.mm.default(x, w)                      # the recomputed forward
+        head = aten.mm.default(aten.t.default(g), hidden)   # the head's weight gradient
+        return head, aten.mul.Tensor(aten.mm.default(g, h), 2.0)
+
+    args = (torch.randn(6, 8), torch.randn(6, 4), torch.randn(4, 4), torch.randn(8, 4))
+    gm = make_fx(backward)(*args)
+    assert not _calls(for_inductor(gm, {"mm"}), control_deps)
+    (d,) = _calls(for_inductor(gm, set()), control_deps)  # the same graph, nothing recomputed
+    assert d.name == "mm_2"
+
+
 def _peak(step) -> int:
     step()
     step()
