@@ -2,8 +2,8 @@
 
 The split orders the backward so that a layer's forward is recomputed just before its own
 gradients need it, and fxmem's peak is predicted from that order. Inductor changes the order in
-three ways, each measured on HF GPT-2 with dropout at level 1; :func:`for_inductor` undoes them
-on a copy of the backward (the report reads the split's own):
+the ways below, each measured (on HF GPT-2 with dropout at level 1 unless named);
+:func:`for_inductor` undoes them on a copy of the backward (the report reads the split's own):
 
 - **Fusion across layers.** The scheduler fuses kernels that read a common buffer (the causal
   mask every layer reads, the graph's seed buffer), and pulled several layers' recomputed
@@ -32,6 +32,13 @@ on a copy of the backward (the report reads the split's own):
   the order is kept inside the fused kernel). :func:`extern_scatter_sums` runs such a scatter
   as an opaque op (``fxmem::scatter_add_into_zeros``, the same aten kernel): the add becomes a
   kernel of its own, in place into a dead summand, and the gradient is allocated after it.
+  Where the scatter is torch's decomposition of ``embedding_dense_backward`` it runs as eager's
+  kernel (``fxmem::embedding_grad``): the decomposition's mask, clamped ids and negated mask are
+  not allocated there (GPT-NeoX's step peaked 320 bytes above HF checkpointing's on them).
+- **Late weight gradients.** Inductor's peak-memory reordering ran a weight gradient (a matmul
+  only the output reads) after the rest of the backward, holding its input (a head's logits
+  gradient) throughout. :func:`_early_weight_gradients` orders the next matmul after it, unless
+  it reads a recomputed matmul's product (there Inductor's own order measured lower).
 """
 
 from __future__ import annotations
