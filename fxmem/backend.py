@@ -79,7 +79,8 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
     partitioner = Partitioner(settings, decision.compared)
     try:
         code = file_code(partitioner.planned)  # the inner compiler's code, for the report
-        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code, config)
+        compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code, config,
+                                       settings.strict)
         return compiled, partitioner.planned, decision.outcome(partitioner.declined)
     except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
         if decision.gm is gm or not is_failure(e):
@@ -89,7 +90,8 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
         why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
                "the unlowered one could")
     partitioner = Partitioner(settings)
-    return inner.compile_joint(gm, example_inputs, inner_name, partitioner, file_code(partitioner.planned), config), \
+    return inner.compile_joint(gm, example_inputs, inner_name, partitioner, file_code(partitioner.planned), config,
+                               settings.strict), \
         partitioner.planned, decision.lowering.declined(why)
 
 

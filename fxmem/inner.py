@@ -58,12 +58,14 @@ def eager(gm: fx.GraphModule, example_inputs: Any):
 
 
 def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partition_fn: Any,
-                  on_code: Callable[[str, str], None] | None = None, config: Mapping[str, Any] = MappingProxyType({})):
+                  on_code: Callable[[str, str], None] | None = None, config: Mapping[str, Any] = MappingProxyType({}),
+                  strict: bool = False):
     """A training graph: AOTAutograd with ``partition_fn`` (fxmem's partitioner), then the inner
     compiler (``"eager"`` or ``"inductor"``) on the forward and backward graphs. ``on_code(kind,
     source)``: Inductor's wrapper code of the ``"forward"`` and, when it is compiled (at the first
     backward for static shapes), the ``"backward"``; ``config``: Inductor config patches
-    (``Options.inductor_config``)."""
+    (``Options.inductor_config``); ``strict``: a backward Inductor cannot compile raises (else it
+    runs with the eager inner compiler, :func:`_inductor_inner`)."""
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
@@ -80,22 +82,47 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
     patches = {"custom_partitioner_fn": partition_fn, "unsafe_marked_cacheable_functions": cacheable,
                **config}
     with functorch_config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=_reading_code(on_code))
+        return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=_inductor_inner(on_code, strict))
 
 
-def _reading_code(on_code: Callable[[str, str], None] | None) -> Callable:
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (nodes new, their metadata shared) over the same submodules."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _inductor_inner(on_code: Callable[[str, str], None] | None, strict: bool) -> Callable:
     """Inductor's ``inner_compile``, handing each compiled graph's wrapper code to ``on_code``
-    (a cache hit's too: its ``source_code`` is the cached wrapper)."""
+    (a cache hit's too: its ``source_code`` is the cached wrapper). A backward that Inductor
+    fails to compile (its C++ code generation failed on a bf16 GPT-NeoX backward: two reductions
+    of one input into two outputs) runs with the eager inner compiler, with one warning (under
+    ``strict`` it raises): the backward is compiled at the first ``backward()``, past the
+    compile stages whose failures fall back to a safe plan, and the forward has run already."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    if on_code is None:
-        return compile_fx_inner
+    from .fallback import is_failure
+    from .warn import brief, warn
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        out = compile_fx_inner(gm, example_inputs, **kwargs)
+        backward = bool(kwargs.get("is_backward"))
+        # Inductor's passes rewrite the graph in place: the fallback runs a copy of it as given
+        kept = _copy(gm) if backward and not strict else None
+        try:
+            out = compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the failure policy: the backward runs eagerly instead
+            if kept is None or not is_failure(e):
+                raise
+            reason = (str(e).strip().splitlines() or [""])[0][:200]
+            warn(f"fxmem: Inductor could not compile a backward ({type(e).__name__}: {brief(reason, 50)}); it runs "
+                 "eagerly (strict=True raises)", RuntimeWarning,
+                 detail=f"fxmem: Inductor failed to compile a backward graph ({type(e).__name__}: {reason}); it "
+                        "runs with the eager inner compiler (its plan unchanged). Pass options={'strict': True} to "
+                        "raise instead.")
+            return eager(kept, example_inputs)
         code = getattr(out, "source_code", None)
-        if isinstance(code, str):
-            on_code("backward" if kwargs.get("is_backward") else "forward", code)
+        if on_code is not None and isinstance(code, str):
+            on_code("backward" if backward else "forward", code)
         return out
     return inner_compile
 

@@ -184,3 +184,41 @@ def test_level1_under_inductor_ranks_tied_plans_with_fusion_modeled():
                 notes = graph.plan.notes
     assert any("the least peak with inductor's fusion modeled" in n for n in notes), notes
     assert peaks["L1"] <= 1.02 * peaks["budget0"] and peaks["L1"] < peaks["L0"], peaks
+
+
+def test_a_backward_inductor_cannot_compile_runs_eagerly_with_one_warning(monkeypatch):
+    """Inductor compiles the backward at the first ``backward()``, after the forward has run:
+    where that compile fails (its C++ code generation failed on a bf16 GPT-NeoX backward), the
+    backward runs with the eager inner compiler, on the graph as fxmem handed it over (Inductor's
+    passes had rewritten it in place), with one warning; the step equals the unoptimized one;
+    ``strict`` raises the error."""
+    import torch._inductor.compile_fx as compile_fx
+
+    real = compile_fx.compile_fx_inner
+
+    def failing(gm, example_inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            for n in gm.graph.nodes:  # a failed compile leaves the graph rewritten
+                if n.op == "call_function":
+                    n.target = torch.ops.aten.zeros_like.default
+            raise RuntimeError("C++ compile error (simulated)")
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", failing)
+    torch.manual_seed(0)
+    ref_model = ConvBN()
+    test_model = copy.deepcopy(ref_model)
+    inputs = _convnet(2, 16)
+    ref = torch.compile(ref_model, backend=_unoptimized({"inner": "eager", "level": 1}))
+    test = torch.compile(test_model, backend="fxmem", options={"level": 1})
+    with pytest.warns(RuntimeWarning, match="Inductor could not compile a backward .* it runs eagerly"):
+        test(**inputs).backward()
+    ref(**inputs).backward()
+    for (name, p), q in zip(ref_model.named_parameters(), test_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    for a, b in zip(ref_model.buffers(), test_model.buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+    strict = torch.compile(copy.deepcopy(ref_model), backend="fxmem", options={"level": 1, "strict": True})
+    with pytest.raises(Exception, match="C\\+\\+ compile error \\(simulated\\)"):
+        strict(**inputs).backward()
