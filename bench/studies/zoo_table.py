@@ -127,7 +127,9 @@ def checks(row: dict) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None, prefix: str = "zoo", script: str = "bench/studies/zoo_table.py") -> None:
+    """The command line; ``prefix`` and ``script``: the results' name and the command they quote
+    (``outside_zoo.py`` runs it on families it adds to ``ZOO``)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", choices=list(PROFILES), default="tiny")
     ap.add_argument("--inner", choices=("eager", "inductor"), default="eager")
@@ -138,9 +140,9 @@ def main(argv=None) -> None:
     names = args.models or list(ZOO)
     torch.set_num_threads(1)
     inner = "" if args.inner == "eager" else f" --inner {args.inner}"
-    meta = common.metadata(f"python bench/studies/zoo_table.py --profile {args.profile}{inner} "
+    meta = common.metadata(f"python {script} --profile {args.profile}{inner} "
                            + ("--merge " if args.merge else "") + " ".join(args.models))
-    study = f"zoo-{args.profile}" + ("" if args.inner == "eager" else f"-{args.inner}")
+    study = f"{prefix}-{args.profile}" + ("" if args.inner == "eager" else f"-{args.inner}")
     rows = []
     if args.merge:  # the committed rows, in zoo order, those of the models named measured again
         old = harness.read(harness.RESULTS / f"{study}.json")

@@ -38,7 +38,8 @@ the ways below, each measured (on HF GPT-2 with dropout at level 1 unless named)
 - **Late weight gradients.** Inductor's peak-memory reordering ran a weight gradient (a matmul
   only the output reads) after the rest of the backward, holding its input (a head's logits
   gradient) throughout. :func:`_early_weight_gradients` orders the next matmul after it, unless
-  it reads a recomputed matmul's product (there Inductor's own order measured lower).
+  it reads a recomputed matmul's product (there Inductor's own order measured lower), where
+  memory comes first (level >= 1, budgets; level 0 leaves Inductor its order).
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def _source(node: fx.Node) -> fx.Node:
     return node
 
 
-def for_inductor(bw: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
+def for_inductor(bw: fx.GraphModule, recomputed: set[str], weight_gradients: bool = True) -> fx.GraphModule:
     """A copy of ``bw`` (``recomputed``: the names of its recomputed nodes) that Inductor runs
-    in the planned order (see the module doc)."""
+    in the planned order (see the module doc); ``weight_gradients``: with
+    :func:`_early_weight_gradients` (where memory comes first: level 0 leaves Inductor its order)."""
     gm, _ = _copied(bw)
     recomputed = set(recomputed)
     regenerate_random(gm, recomputed)
@@ -78,7 +80,7 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str]) -> fx.GraphModule:
     accumulate_matmul_sums(gm)
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
     for found in (_recompute_fences(gm, recomputed), _early_matmuls(gm),
-                  _early_weight_gradients(gm, recomputed)):
+                  _early_weight_gradients(gm, recomputed) if weight_gradients else {}):
         for n, before in found.items():
             deps.setdefault(n, OrderedSet()).update(before)
     if deps:

@@ -188,7 +188,7 @@ class Partitioner(CustomPartitionerFn):
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem split: %d values saved, %d recomputed in the backward",
                   len(result.saved), len(result.recomputed))
-        fw, bw = settings.target.finish(result)
+        fw, bw = settings.target.finish(result, settings.memory_first)
         self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names())))
         return fw, bw
 

@@ -32,16 +32,18 @@ class Target:
     input_views: bool
     exact_peak: bool
 
-    def finish(self, split: Split) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def finish(self, split: Split, memory_first: bool = False) -> tuple[fx.GraphModule, fx.GraphModule]:
         """The forward and backward graphs for the inner compiler. Eager: the split's own graphs
         with dead buffers reused in place (what runs is what the report reads). Inductor: the
-        backward copied with its fences (``remat.fences``: recomputation runs where it is needed),
-        the forward copied with its random ops in order where it has several."""
+        backward copied with its fences (``remat.fences``: recomputation runs where it is needed;
+        weight gradients where the plan put them only where ``memory_first``), the forward copied
+        with its random ops in order where it has several."""
         if self.reuses_buffers:
             reuse_dead_buffers(split.fw)
             reuse_dead_buffers(split.bw)
             return split.fw, split.bw
-        return random_in_order(split.fw), for_inductor(split.bw, {n.name for n in split.recomputed})
+        return random_in_order(split.fw), for_inductor(split.bw, {n.name for n in split.recomputed},
+                                                       weight_gradients=memory_first)
 
 
 EAGER = Target("eager", reuses_buffers=True, input_views=True, exact_peak=True)
@@ -73,6 +75,11 @@ class PlanSettings:
     @property
     def budgeted(self) -> bool:
         return self.memory_budget is not None or self.peak_budget is not None
+
+    @property
+    def memory_first(self) -> bool:
+        """Memory over speed: level >= 1 or a budget (``Options.memory_first``)."""
+        return self.level >= 1 or self.budgeted
 
     def key(self) -> str:
         """A stable string of every setting: goes into Inductor's cache key."""

@@ -1,0 +1,74 @@
+"""The zoo table on model families that are not in the zoo (issue [generality]: the claims must
+hold on families fxmem's tests never saw). Each is built here from its Hugging Face config at the
+zoo's tiny sizes, dropout as the config ships, and measured as ``zoo_table.py`` measures the zoo:
+
+    python bench/studies/outside_zoo.py [--inner inductor] [MODEL ...]
+        # writes bench/results/outside-tiny[-inductor].{json,md}
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_table
+
+import zoo_table  # noqa: E402
+
+from fxmem.testing import zoo  # noqa: E402
+from fxmem.testing.zoo import _causal, _hf, _images, _masked  # noqa: E402
+
+
+def _decoder(name: str, cls: str, **config):
+    def build(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0):
+        return _causal(name, cls, batch, seq, vocab, seed, hidden_size=d, num_hidden_layers=layers,
+                       num_attention_heads=heads, max_position_embeddings=64, bos_token_id=1, eos_token_id=1,
+                       **config)
+    return build
+
+
+def bert(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0):
+    """BERT, masked LM (dropout 0.1)."""
+    return _hf("bert", "BertForMaskedLM", _masked(batch, seq, vocab, seed, mask_id=3), seed, vocab_size=vocab,
+               hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * d,
+               max_position_embeddings=64)
+
+
+def segformer(batch=2, size=32, classes=4, seed=0):
+    """SegFormer: a hierarchical transformer encoder with overlapping conv patch embeddings and an
+    all-MLP decode head (dropout 0.0, drop path 0.1)."""
+    batch_ = _images(batch, size, classes, seed)
+    batch_["labels"] = batch_["labels"][:, None, None].expand(batch, size, size).contiguous()
+    return _hf("segformer", "SegformerForSemanticSegmentation", batch_, seed, num_channels=3, num_encoder_blocks=2,
+               depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+               num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=classes)
+
+
+OUTSIDE = {
+    "opt": _decoder("opt", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=32, pad_token_id=0),
+    "phi": _decoder("phi", "PhiForCausalLM", intermediate_size=128),
+    "qwen2": _decoder("qwen2", "Qwen2ForCausalLM", num_key_value_heads=2, intermediate_size=96),
+    "olmoe": _decoder("olmoe", "OlmoeForCausalLM", intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                      pad_token_id=0),
+    "gemma": _decoder("gemma", "GemmaForCausalLM", num_key_value_heads=1, head_dim=8, intermediate_size=128,
+                      pad_token_id=0),
+    "bert": bert,
+    "segformer": segformer,
+}
+FAMILY = {"opt": "decoder", "phi": "decoder (parallel attention)", "qwen2": "decoder", "olmoe": "moe",
+          "gemma": "decoder (multi-query)", "bert": "encoder", "segformer": "vision (conv + attention)"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    zoo.ZOO.update(OUTSIDE)
+    zoo.FAMILY.update(FAMILY)
+    zoo.PROFILES["tiny"].update({name: {} for name in OUTSIDE})
+    zoo_table.FAMILY.update(FAMILY)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not [a for a in argv if a in OUTSIDE]:
+        argv += list(OUTSIDE)
+    zoo_table.main(argv, prefix="outside", script="bench/studies/outside_zoo.py")
+
+
+if __name__ == "__main__":
+    main()
