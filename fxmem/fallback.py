@@ -30,16 +30,21 @@ def is_failure(error: BaseException) -> bool:
     return not isinstance(error, _NOT_FAILURES)
 
 
+def reason(error: BaseException) -> str:
+    """What a warning says of ``error``: the first line of its message, at most 200 characters."""
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
 def stage_failed(stage: str, error: BaseException, options) -> None:
     """Re-raise ``error`` under ``strict`` (or when it is the user's error); otherwise warn once
     with the stage and the reason, and let the caller take its safe path."""
     assert stage in STAGES, stage
     if options.strict or not is_failure(error):
         raise error
-    reason = (str(error).strip().splitlines() or [""])[0][:200]  # brief: the first line of the error
-    msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {reason}); {_INSTEAD.get(stage, _SAFE_PLAN)}. "
+    why = reason(error)
+    msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {why}); {_INSTEAD.get(stage, _SAFE_PLAN)}. "
            "Pass options={'strict': True} to raise instead.")
     log.warning("%s", msg)
     instead = "the compile goes on without this graph's report" if stage == "report" else "falling back to a safe plan"
-    warn(f"fxmem: stage {stage!r} failed ({type(error).__name__}: {brief(reason, 60)}); {instead} "
+    warn(f"fxmem: stage {stage!r} failed ({type(error).__name__}: {brief(why, 60)}); {instead} "
          "(strict=True raises)", RuntimeWarning)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
+from .graph.module import copied
 from .graph.reuse import reuse_dead_buffers
 
 aten = torch.ops.aten
@@ -85,13 +86,6 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
         return compile_fx(gm, example_inputs, config_patches=patches, inner_compile=_inductor_inner(on_code, strict))
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm``'s graph (nodes new, their metadata shared) over the same submodules."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
-
-
 def _inductor_inner(on_code: Callable[[str, str], None] | None, strict: bool) -> Callable:
     """Inductor's ``inner_compile``, handing each compiled graph's wrapper code to ``on_code``
     (a cache hit's too: its ``source_code`` is the cached wrapper). A backward that Inductor
@@ -101,22 +95,22 @@ def _inductor_inner(on_code: Callable[[str, str], None] | None, strict: bool) ->
     compile stages whose failures fall back to a safe plan, and the forward has run already."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    from .fallback import is_failure
+    from .fallback import is_failure, reason
     from .warn import brief, warn
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         backward = bool(kwargs.get("is_backward"))
         # Inductor's passes rewrite the graph in place: the fallback runs a copy of it as given
-        kept = _copy(gm) if backward and not strict else None
+        kept = copied(gm)[0] if backward and not strict else None
         try:
             out = compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as e:  # noqa: BLE001 - the failure policy: the backward runs eagerly instead
             if kept is None or not is_failure(e):
                 raise
-            reason = (str(e).strip().splitlines() or [""])[0][:200]
-            warn(f"fxmem: Inductor could not compile a backward ({type(e).__name__}: {brief(reason, 50)}); it runs "
+            why = reason(e)
+            warn(f"fxmem: Inductor could not compile a backward ({type(e).__name__}: {brief(why, 50)}); it runs "
                  "eagerly (strict=True raises)", RuntimeWarning,
-                 detail=f"fxmem: Inductor failed to compile a backward graph ({type(e).__name__}: {reason}); it "
+                 detail=f"fxmem: Inductor failed to compile a backward graph ({type(e).__name__}: {why}); it "
                         "runs with the eager inner compiler (its plan unchanged). Pass options={'strict': True} to "
                         "raise instead.")
             return eager(kept, example_inputs)

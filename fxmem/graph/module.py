@@ -13,9 +13,20 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-__all__ = ["graph_module"]
+__all__ = ["copied", "graph_module"]
 
 
 def graph_module(root: torch.nn.Module | dict, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
     """``fx.GraphModule(root, graph, class_name)``, its code generated at the first call."""
     return _LazyGraphModule(root, graph, class_name)
+
+
+def copied(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A copy of ``gm``'s graph (new nodes, their metadata shared; the output's descriptors kept)
+    over the same submodules, and the map from ``gm``'s nodes to the copy's: for a pass that
+    must leave the original as it is."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out).meta = dict(gm.graph.output_node().meta)  # the outputs' descriptors
+    return graph_module(gm, graph), env

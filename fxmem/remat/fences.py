@@ -54,7 +54,7 @@ from torch._prims.rng_prims import run_and_save_rng_state
 from torch.utils._ordered_set import OrderedSet
 
 from ..graph.joint import is_random
-from ..graph.module import graph_module
+from ..graph.module import copied
 from .allowlist import HEAVY, is_view, kind
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -72,7 +72,7 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str], weight_gradients: boo
     """A copy of ``bw`` (``recomputed``: the names of its recomputed nodes) that Inductor runs
     in the planned order (see the module doc); ``weight_gradients``: with
     :func:`_early_weight_gradients` (where memory comes first: level 0 leaves Inductor its order)."""
-    gm, _ = _copied(bw)
+    gm, _ = copied(bw)  # the split's own graph is what the report reads
     recomputed = set(recomputed)
     regenerate_random(gm, recomputed)
     scatter_into_sums(gm)
@@ -90,16 +90,6 @@ def for_inductor(bw: fx.GraphModule, recomputed: set[str], weight_gradients: boo
     return gm
 
 
-def _copied(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
-    """A copy of ``gm`` to fence (the split's own graphs are what the report reads), and the
-    map from its nodes to the copy's."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, env)
-    graph.output(out).meta = dict(gm.graph.output_node().meta)  # the outputs' descriptors
-    return graph_module(gm, graph), env
-
-
 def random_in_order(fw: fx.GraphModule) -> fx.GraphModule:
     """A copy of the forward whose random ops (a dropout, its replayable form
     ``run_and_save_rng_state``) run in graph order: each waits for the one before it, with
@@ -112,7 +102,7 @@ def random_in_order(fw: fx.GraphModule) -> fx.GraphModule:
     drawn = [n for n in fw.graph.nodes if drawing(n)]
     if len(drawn) < 2:
         return fw
-    gm, env = _copied(fw)
+    gm, env = copied(fw)
     ordered = [env[n] for n in drawn]
     preserve_node_ordering(gm.graph, {b: OrderedSet([a]) for a, b in zip(ordered, ordered[1:])})
     gm.graph.lint()
@@ -222,9 +212,10 @@ def _early_weight_gradients(bw: fx.GraphModule, recomputed: set[str]) -> dict[fx
     for n in bw.graph.nodes:
         if n.op != "call_function":
             continue
-        if kind(n) == HEAVY:
+        is_heavy = kind(n) == HEAVY
+        if is_heavy:
             heavy.append(n)
-        if (n.name in recomputed and kind(n) == HEAVY) or any(a in late for a in n.all_input_nodes):
+        if (is_heavy and n.name in recomputed) or any(a in late for a in n.all_input_nodes):
             late.add(n)
     return {after: OrderedSet([n]) for n, after in zip(heavy, heavy[1:]) if _returned(n) and n not in late}
 
