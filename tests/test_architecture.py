@@ -265,3 +265,20 @@ def test_a_torch_trace_run_holds_the_plan_artifacts(tmp_path):
 def test_ruff_is_clean_with_the_projects_configuration():
     run = subprocess.run(["ruff", "check", "."], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-4000:]
+
+
+def test_no_test_monkeypatches_a_torch_config_object():
+    """torch's config modules (``torch._dynamo.config``, ``torch._inductor.config``, ...) are
+    patched with their own ``config.patch``: pytest >= 9.2's ``monkeypatch.setattr`` undoes a
+    setattr on a key missing from the module's ``__dict__`` by deleting it, and a deleted config
+    key is hidden for the rest of the process (every later compile fails)."""
+    offenders = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("setattr", "delattr") and node.args
+                    and ast.unparse(node.func.value).endswith("monkeypatch")):
+                target = ast.unparse(node.args[0])
+                if "config" in target.split(".")[-1] or target.rstrip("\"'").endswith(".config"):
+                    offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, offenders

@@ -2,6 +2,7 @@
 microbatch size; HF models; make_functional; noise; accounting against opacus; the sensitivity
 property; argument errors. Every compile uses the eager inner compiler (Inductor: 30-60 s each)."""
 
+import contextlib
 import math
 
 import pytest
@@ -401,6 +402,23 @@ def _swap_loss(p, x):  # module level, as in a script: Dynamo reaches the swappe
     return _swap_fn(p, _swap_frozen, x[None]).square().sum()
 
 
+@contextlib.contextmanager
+def _no_listener_on_the_trace_log():
+    """The structured-trace logger as a plain process has it: pytest >= 9.2 attaches its capture
+    handlers to every non-propagating logger (torch's ``trace_log`` too), and a handler there is
+    a listener that fxmem must respect; detached for the block, put back after it."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    captured = [h for h in trace_log.handlers if not isinstance(h, LazyTraceHandler)]
+    for handler in captured:
+        trace_log.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in captured:
+            trace_log.addHandler(handler)
+
+
 def test_side_effect_messages_are_formatted_only_when_someone_listens(monkeypatch):
     """The step's parameter swap mutates a dict per module. Dynamo formats a message with the
     user's stack for each (a tenth of a second on the README model's first call) only when
@@ -414,7 +432,8 @@ def test_side_effect_messages_are_formatted_only_when_someone_listens(monkeypatc
                         lambda self, var: formatted.append(var) or real(self, var))
     own = dict(_SWAP_MODEL.named_parameters())
     x = torch.randn(4, 3)
-    clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
+    with _no_listener_on_the_trace_log():
+        clipped_grad(_swap_loss, 1.0, microbatch_size=2, options=EAGER)(_swap_trainable, x)
     assert not formatted and torch._dynamo.config.side_effect_replay_policy == "info"
     assert all(p is own[k] for k, p in _SWAP_MODEL.named_parameters())
     # TORCH_LOGS=side_effects, as fxmem sees it (torch._logging.set_logs would reconfigure every

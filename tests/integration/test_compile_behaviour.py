@@ -240,20 +240,22 @@ def test_library_does_not_print(capfd):
     assert out == "" and err == "", (out, err)
 
 
-def test_recompile_limit_warns_once_at_the_users_line(monkeypatch):
+def test_recompile_limit_warns_once_at_the_users_line():
     """Past Dynamo's recompile limit the frame runs eagerly: fxmem says so once per frame,
     pointing at the caller's line; a frame compiled by another backend gets no fxmem warning."""
     import warnings
 
     from fxmem.recompiles import RecompileLimitWarning
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     model = Block()
+    # config.patch, not monkeypatch.setattr: pytest >= 9.2 undoes a setattr on an attribute that
+    # is not in the module's __dict__ by deleting it, and torch's config module hides a deleted
+    # key, so every later compile in the worker failed
     for backend, expected in (("fxmem", 1), ("eager", 0)):
         torch._dynamo.reset()
         options = EAGER if backend == "fxmem" else None
         compiled = torch.compile(model, backend=backend, options=options, dynamic=False)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=2):
             warnings.simplefilter("always")
             for batch in range(2, 7):  # 5 shapes, limit 2: the 3rd to 5th run eagerly
                 compiled(torch.randn(batch, 16)).sum().backward()
