@@ -21,6 +21,24 @@ def test_the_docs_have_python_blocks(doc):
     assert BLOCKS[doc], f"{doc} has no ```python block to check"
 
 
+def test_ci_runs_the_readmes_test_command_in_a_fresh_venv():
+    """.ci/run is what a new user does: the README's test command, as printed, inside a virtual
+    environment it creates (so CI sees today's releases, not the machine's packages), and the
+    quick loop on the newest torch the README says is tested."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"Run the tests.*?\n\n    (.+?)\n", readme, flags=re.S).group(1)
+    assert command.startswith("pip install torch==") and command.endswith("python -m pytest -q"), command
+    ci_line = next(line for line in ci.splitlines() if line.rstrip().endswith("python -m pytest -q"))
+    as_printed = " && ".join(step.strip().replace("pip install -q ", "pip install ")
+                             for step in ci_line.split("&&") if step.strip() != "versions")
+    assert as_printed == command, (ci_line, command)
+    assert "python -m venv" in ci and "source" in ci
+    newest = re.search(r"NEWEST_TORCH=(\S+)", ci).group(1)
+    tested = re.search(r"Tested with (.+?)\.(?:\s|$)", readme.replace("\n", " ")).group(1)
+    assert "torch 2.13.0" in tested and newest in tested, tested
+
+
 def test_torchrun_blocks_say_so_on_their_first_line():
     """A block that initializes a process group cannot run as `python block.py`: its first line says how."""
     for doc, i in CASES:
