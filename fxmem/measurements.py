@@ -5,12 +5,15 @@ measure and how a measurement scales).
 Both hold facts about this machine (torch's version, the thread count, oneDNN's choices), never a
 compile's results, and neither may fail a compile:
 
-- the cache, ``$FXMEM_CACHE/scratch.json`` (default ``~/.cache/fxmem/scratch.json``), is validated
-  on read: a file that is not a JSON object is ignored, and so is every entry that is not a whole
-  number of bytes in [0, :data:`MAX_BYTES`] (its configuration is measured again);
+- the cache, ``$FXMEM_CACHE/scratch.json`` (default ``~/.cache/fxmem/scratch.json``; a blank
+  ``FXMEM_CACHE`` is unset), is validated on read: anything but a regular file holding a JSON
+  object is ignored with a warning (a named pipe is never waited on), and so is every entry that
+  is not a whole number of bytes in [0, :data:`MAX_BYTES`], or more than its op can plausibly
+  allocate (:func:`fxmem.graph.measured.plausible_max`); those configurations are measured again;
 - writers merge: under a lock file, a process re-reads the cache, adds its entries and replaces
   the file atomically (a temporary file, then ``os.replace``), so concurrent processes keep each
-  other's entries;
+  other's entries; nothing is written through a symbolic link (a linked or non-regular lock file
+  is refused: the cache is not written);
 - a cache that cannot be read or written (``FXMEM_CACHE`` names a file, a read-only folder) logs
   one warning per process and the measurements stay in memory;
 - a child that fails, or answers anything but one valid number per configuration, logs a warning
@@ -22,10 +25,12 @@ compile's results, and neither may fail a compile:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -36,7 +41,7 @@ import torch
 
 from fxmem_kernels._common import env_flag
 
-from .options import ENV_CACHE, ENV_MEASURE
+from .options import ENV_CACHE, ENV_MEASURE, env_value
 
 log = logging.getLogger("fxmem")
 MAX_BYTES = 2**50  # 1 PiB: above any kernel's temporary; a larger number is a corrupt entry
@@ -49,7 +54,8 @@ def enabled() -> bool:
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "fxmem") / "scratch.json"
+    """``$FXMEM_CACHE/scratch.json``; ``~/.cache/fxmem/scratch.json`` when it is unset or blank."""
+    return Path(env_value(ENV_CACHE) or Path.home() / ".cache" / "fxmem") / "scratch.json"
 
 
 def valid(value: Any) -> bool:
@@ -58,9 +64,14 @@ def valid(value: Any) -> bool:
 
 
 def read(path: Path) -> dict[str, int]:
-    """The valid entries of the cache file at ``path``; {} when it is missing or unusable."""
+    """The valid entries of the cache file at ``path``; {} when it is missing or unusable. Only a
+    regular file is read: anything else (a named pipe would block ``open`` forever) is ignored."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OSError("not a regular file; allowed: a regular file, or none")
+            data = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON
@@ -95,18 +106,30 @@ def write(path: Path, entries: dict[str, int]) -> None:
 
 @contextlib.contextmanager
 def _locked(lock: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the file ``lock`` (POSIX; elsewhere, no lock: the merge alone)."""
+    """Hold an exclusive lock on the file ``lock`` (POSIX; elsewhere, no lock: the merge alone).
+    Never through a link or onto anything but a regular file: that would create or lock a file
+    outside the cache folder."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         yield
         return
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(lock, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            raise OSError(e.errno, f"the lock file {lock} is a symbolic link; allowed: a regular file, "
+                                   "or none") from None
+        raise
+    with os.fdopen(fd, "rb"):
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"the lock file {lock} is not a regular file; allowed: a regular file, or none")
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def measure(configs: dict[str, Any]) -> dict[str, int]:

@@ -341,15 +341,22 @@ _PARSERS = {
 }
 
 
+def env_value(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """An environment variable's value without surrounding blanks; None when unset or blank (as
+    for every fxmem variable: blank means unset)."""
+    value = (os.environ if env is None else env).get(name, "").strip()
+    return value or None
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """The options the environment sets; the other variables fxmem reads are checked, not kept."""
     out: dict[str, Any] = {}
-    if env.get(ENV_LEVEL, "").strip():
-        out["level"] = parse_level(env[ENV_LEVEL].strip(), key=ENV_LEVEL)
-    if env.get(ENV_CONFIG, "").strip():
-        out["config"] = parse_config(env[ENV_CONFIG], key=ENV_CONFIG)
-    if env.get(ENV_REPORT, "").strip():
-        out["report"] = env_flag(ENV_REPORT, env[ENV_REPORT])
+    if (level := env_value(ENV_LEVEL, env)) is not None:
+        out["level"] = parse_level(level, key=ENV_LEVEL)
+    if (config := env_value(ENV_CONFIG, env)) is not None:
+        out["config"] = parse_config(config, key=ENV_CONFIG)
+    if (report := env_value(ENV_REPORT, env)) is not None:
+        out["report"] = env_flag(ENV_REPORT, report)
     env_flag(ENV_MEASURE, env.get(ENV_MEASURE), default=True)
     env_flag(ENV_TRITON, env.get(ENV_TRITON))
     return out

@@ -121,3 +121,87 @@ def test_a_corrupt_cache_never_fails_a_compile_nor_changes_its_prediction(cache)
         cache.write_text(json.dumps(corrupt))
         assert _predicted_peak(model, x) == want, corrupt
         assert json.loads(cache.read_text()) == good
+
+
+def test_a_named_pipe_as_the_cache_is_ignored_with_a_warning_not_waited_on(cache, caplog):
+    """``open`` of a FIFO blocks until a writer comes: read() must refuse it without opening it
+    blocking (the read runs in a thread; if it hangs, a writer end unblocks it and the test fails)."""
+    import os
+    import threading
+
+    os.mkfifo(cache)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(read(cache)), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="fxmem"):
+        reader.start()
+        reader.join(10)
+        hung = reader.is_alive()
+        if hung:  # unblock the reader's open(): a writer end, closed at once
+            os.close(os.open(cache, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(10)
+        assert not hung, "read() blocked on a named pipe"
+        assert got == [{}]
+        write(cache, {"k": 3})  # a writer ignores it too, and replaces it with a regular file
+    assert json.loads(cache.read_text()) == {"k": 3}
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"ignoring the kernel measurement cache {cache}" in warned[0], warned
+    assert "not a regular file" in warned[0]
+
+
+def test_no_file_is_created_or_written_through_a_symbolic_link(cache, tmp_path, caplog):
+    """A lock file or cache file that is a link pointing outside the cache folder: the target is
+    never created nor written; a linked lock is refused with one warning (the cache stays in memory)."""
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    lock_target, cache_target = outside / "lock", outside / "scratch.json"
+    cache_target.write_text('{"theirs": 1}')
+    cache.symlink_to(cache_target)
+    lock = cache.with_name("scratch.json.lock")
+    lock.symlink_to(lock_target)
+    with caplog.at_level(logging.WARNING, logger="fxmem"):
+        write(cache, {"k": 3})
+        write(cache, {"k": 4})
+    assert not lock_target.exists() and lock.is_symlink()
+    assert cache_target.read_text() == '{"theirs": 1}'
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith(f"fxmem: cannot write the kernel measurement cache {cache}")
+    assert f"the lock file {lock} is a symbolic link; allowed: a regular file" in warned[0]
+    lock.unlink()  # a regular lock: the link to the cache file is replaced, its target kept
+    write(cache, {"k": 5})
+    assert not cache.is_symlink() and json.loads(cache.read_text()) == {"theirs": 1, "k": 5}
+    assert cache_target.read_text() == '{"theirs": 1}'
+
+
+def test_an_implausible_cache_entry_is_dropped_with_a_warning_and_measured_again(cache, tmp_path, monkeypatch,
+                                                                                caplog):
+    """2**50 bytes of temporaries for a 2x3x8x8 convolution (a crafted or corrupt entry, valid
+    JSON bytes otherwise) must not reach a prediction: measured again, and the cache corrected."""
+    from fxmem.graph.measured import _config
+    from fxmem.graph.scratch import op_scratch
+
+    aten = torch.ops.aten
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(8, 3, 3, 3)
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    key, _ = _config(aten.convolution.default, args)
+    plausible = 10**6  # hundreds of times this shape's tensors, but possible: trusted
+    other = key.replace("[2, 3, 8, 8]", "[1, 3, 8, 8]")
+    cache.write_text(json.dumps({key: 2**50, other: plausible}))
+    child = tmp_path / "child.py"  # the "measurement": 1234 bytes per configuration
+    child.write_text("import json, sys\nprint(json.dumps([1234] * len(json.load(sys.stdin)['configs'])))")
+    monkeypatch.setattr(measurements, "_CHILD", child)
+    with caplog.at_level(logging.WARNING, logger="fxmem"):
+        assert int(op_scratch(aten.convolution.default, args, {}, None)) == 1234
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"ignoring 1 implausible entry of the kernel measurement cache {cache}" in warned[0]
+    assert f"{2**50} bytes of temporaries for an aten.convolution call" in warned[0]
+    assert json.loads(cache.read_text()) == {key: 1234, other: plausible}
+    assert measured_mod.known()[other] == plausible
+
+
+@pytest.mark.parametrize("blank", [" ", "\t\n", ""])
+def test_a_blank_cache_variable_is_unset(monkeypatch, tmp_path, blank):
+    monkeypatch.setenv("FXMEM_CACHE", blank)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert measurements.cache_file() == tmp_path / ".cache" / "fxmem" / "scratch.json"
+    monkeypatch.setenv("FXMEM_CACHE", f" {tmp_path / 'c'} ")  # blanks around a path: stripped, as elsewhere
+    assert measurements.cache_file() == tmp_path / "c" / "scratch.json"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any, Sequence
 
 import sympy
@@ -26,6 +27,7 @@ import torch.fx as fx
 from .. import measurements
 from .sizes import dim_expr
 
+log = logging.getLogger("fxmem")
 aten = torch.ops.aten
 MEASURED = {aten.convolution.default, aten.convolution_backward.default}
 
@@ -67,11 +69,61 @@ def _config(target, args: Sequence) -> tuple[str, Any] | None:
     return key, config
 
 
+# A measurement is trusted up to PLAUSIBLE_RATIO times the bytes of its op's own tensors (arguments
+# and results) plus PLAUSIBLE_SLACK; a cache entry above that is corrupt and measured again. Why so
+# much: oneDNN's largest temporary is an im2col/col2im buffer, a tensor times the kernel's area
+# (31x31 = 961 in the largest-kernel CNNs), reorders are 1-6x a tensor, and per-thread scratchpads
+# have a fixed size (measured: 0.02-2.6x on the tests' shape classes, up to 32x and 2 MB on tiny
+# tensors, the slack's case). 2**50 bytes on a 40 kB convolution is far outside.
+PLAUSIBLE_RATIO = 1024
+PLAUSIBLE_SLACK = 64 * 2**20
+
+
+def _meta(spec: Any) -> Any:
+    """A config's argument (see :func:`_spec`) as a meta tensor, or as it is."""
+    if isinstance(spec, dict) and "shape" in spec:
+        t = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]), device="meta")
+        return t.as_strided(spec["shape"], spec["stride"]) if "stride" in spec else t
+    return [_meta(s) for s in spec] if isinstance(spec, list) else spec
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(map(_nbytes, x)) if isinstance(x, (list, tuple)) else 0
+
+
+def plausible_max(key: str) -> int | None:
+    """The most temporary bytes a measurement of the cache key ``key`` may hold: PLAUSIBLE_RATIO
+    times its op's tensors (the results on the meta device) plus PLAUSIBLE_SLACK; None when the
+    key is not one of :func:`_config`'s (never looked up)."""
+    try:
+        config = json.loads(key)[2]
+        op = getattr(getattr(aten, config["op"]), config["overload"])
+        args = [_meta(a) for a in config["args"]]
+    except Exception:  # noqa: BLE001 - a key of another format or torch version: not ours to judge
+        return None
+    try:
+        out = op(*args)
+    except Exception:  # noqa: BLE001 - an op without a meta kernel: its arguments alone
+        out = None
+    return PLAUSIBLE_RATIO * (_nbytes(args) + _nbytes(out)) + PLAUSIBLE_SLACK
+
+
 @functools.cache
 def known() -> dict[str, int]:
-    """The measurements of this process: the disk cache's valid entries, then what it measures (a
-    cache of machine facts, not of compile results: the same for every compile)."""
-    return measurements.read(measurements.cache_file())
+    """The measurements of this process: the disk cache's plausible entries, then what it
+    measures (a cache of machine facts, not of compile results: the same for every compile)."""
+    path = measurements.cache_file()
+    found = measurements.read(path)
+    bad = {k: v for k, v in found.items() if v > (plausible_max(k) or v)}
+    if bad:
+        key, value = next(iter(bad.items()))
+        log.warning("fxmem: ignoring %d implausible entr%s of the kernel measurement cache %s (e.g. %d bytes "
+                    "of temporaries for an aten.%s call; allowed: at most %d, %dx its tensors' bytes + %d MiB); "
+                    "measured again", len(bad), "y" if len(bad) == 1 else "ies", path, value,
+                    json.loads(key)[2]["op"], plausible_max(key), PLAUSIBLE_RATIO, PLAUSIBLE_SLACK >> 20)
+    return {k: v for k, v in found.items() if k not in bad}
 
 
 def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
