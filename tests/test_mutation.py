@@ -1,7 +1,8 @@
 """Whatever the forward mutates is mutated exactly as in eager: buffers (BatchNorm's running
 statistics, a step counter), an argument updated in place, a parameter changed under no_grad;
 with both inner compilers, at every level and under a memory budget, over steps whose batch size
-changes. Gradients, losses and the mutated tensors are compared with eager."""
+changes, and where a lowered pattern reads the updated value. Gradients, losses and the mutated
+tensors are compared with eager."""
 
 import copy
 
@@ -177,3 +178,62 @@ def test_view_update_of_an_argument_under_inductor_matches_plain_inductor():
         assert torch.allclose(k1, k2, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(plain_model.named_parameters(), fx_model.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+class LoweredRead(nn.Module):
+    """A lowered pattern (``bias_gelu``: GELU of a Linear; ``swiglu``/``geglu``: a GLU of two) that
+    reads a value the forward updates in place: the argument, a buffer, or the Linears' weights
+    (clamped under ``torch.no_grad()``)."""
+
+    def __init__(self, kind: str, pattern: str):
+        super().__init__()
+        self.kind, self.pattern = kind, pattern
+        self.up, self.gate, self.down = nn.Linear(D, H), nn.Linear(D, H), nn.Linear(H, D)
+        self.register_buffer("scale", torch.ones(D))
+
+    def forward(self, x):
+        glu = self.pattern != "bias_gelu"
+        if self.kind == "argument":
+            x.mul_(2)
+        elif self.kind == "buffer":
+            self.scale.add_(1)
+            x = x * self.scale
+        else:
+            with torch.no_grad():
+                for linear in (self.up, self.gate) if glu else (self.up,):
+                    linear.weight.clamp_(-0.2, 0.2)
+        up = self.up(x)
+        if not glu:
+            return self.down(F.gelu(up))
+        act = F.silu if self.pattern == "swiglu" else F.gelu
+        return self.down(act(self.gate(x)) * up)
+
+
+LOWERED_OPTIONS = {"level0": {"level": 0}, "level1": {"level": 1}, "budget0.3": {"memory_budget": 0.3}}
+
+
+@pytest.mark.parametrize("options", list(LOWERED_OPTIONS))
+@pytest.mark.parametrize("pattern", ["bias_gelu", "swiglu", "geglu"])
+@pytest.mark.parametrize("kind", ["argument", "weight", "buffer"])
+def test_a_lowered_pattern_reading_a_mutated_input_matches_eager(kind, pattern, options):
+    """A compared lowering (``bias_gelu`` with the default options, the GLUs when asked for by
+    name) is planned with and without its fused ops; the candidate without them is a copy of the joint graph that
+    must still know which inputs the step mutates, or its plan recomputes a read of the updated
+    value in the backward (autograd's version check: "modified by an inplace operation")."""
+    torch.manual_seed(0)
+    ref = LoweredRead(kind, pattern)
+    test = copy.deepcopy(ref)
+    lowering = {} if pattern == "bias_gelu" else {"lowering": {pattern: True}}  # (bias_gelu: on by default)
+    compiled = torch.compile(test, backend="fxmem", options={"inner": "eager", **lowering, **LOWERED_OPTIONS[options]})
+    for step, batch in enumerate([32, 32]):
+        x = torch.randn(batch, D)
+        x_ref = x.clone()
+        ref(x_ref).pow(2).mean().backward()
+        compiled(x).pow(2).mean().backward()
+        _assert_close(x_ref, x, f"step {step}: the argument updated in place", inductor=False)
+        for name, value in _state(ref).items():
+            _assert_close(value, _state(test)[name], f"step {step}: {name}", inductor=False)
+        for (name, p), q in zip(ref.named_parameters(), test.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}: grad of {name}"
+            if p.grad is not None:
+                _assert_close(p.grad, q.grad, f"step {step}: grad of {name}", inductor=False)

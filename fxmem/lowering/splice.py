@@ -29,7 +29,7 @@ import torch.fx.traceback as fx_traceback
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..graph.module import graph_module
+from ..graph.module import copied, graph_module
 
 log = logging.getLogger("fxmem")
 
@@ -194,7 +194,8 @@ class SpliceError(RuntimeError):
 def unlowered(gm: fx.GraphModule, regions: dict[int, Region], decompositions: dict | None) -> fx.GraphModule:
     """A copy of the marked joint graph ``gm`` with every marked region replaced by the joint
     graph of the ops it replaced, marks removed."""
-    new = _copy(gm)
+    new = copied(gm)[0]  # (with the outputs' descriptors: which inputs the step mutates)
+    new.meta.update(gm.meta)
     graph = new.graph
     found: dict[int, dict[tuple[str, int], fx.Node]] = {}
     for n in graph.nodes:
@@ -232,15 +233,6 @@ def _last_forward_op(graph: fx.Graph) -> dict[str, fx.Node]:
             for source in n.meta.get("from_node") or ():
                 last[source.name] = n
     return last
-
-
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    new = graph_module(gm, graph)
-    new.meta.update(gm.meta)
-    return new
 
 
 def _splice(graph: fx.Graph, region: Region, marks: dict[tuple[str, int], fx.Node],
