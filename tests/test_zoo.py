@@ -93,9 +93,11 @@ def test_zoo_build_names_the_known_models():
     assert all(PROFILES[p].keys() == ZOO.keys() for p in PROFILES)
 
 
-def test_an_lstm_dynamo_does_not_trace_is_named_in_the_empty_report():
-    """Dynamo runs a model with nn.LSTM eagerly unless torch._dynamo.config.allow_rnn is set: fxmem
-    sees no graph, and its report says so and passes on Dynamo's reason and hint."""
+def test_an_lstm_dynamo_does_not_trace_is_named_in_the_report():
+    """Without torch._dynamo.config.allow_rnn Dynamo does not trace an nn.LSTM: torch 2.13/2.14
+    run the whole forward eagerly (fxmem sees no graph), torch 2.15 compiles around it (a delayed
+    graph break: the embedding and the head are graphs, the LSTM runs between them). On either,
+    the report names the LSTM and Dynamo's hint."""
     import torch
 
     import fxmem
@@ -106,6 +108,11 @@ def test_an_lstm_dynamo_does_not_trace_is_named_in_the_empty_report():
     w.loss(compiled(**w.batch)).backward()
     report = fxmem.report(compiled)
     text = str(report)
-    assert not report.graphs and "no graphs compiled" in text
-    assert "LSTM" in text and "allow_rnn=True" in text
+    assert "LSTM" in text and "allow_rnn=True" in text, text
+    if report.graphs:  # torch 2.15: a graph break around the LSTM; no LSTM op reached fxmem
+        assert "Dynamo ran outside these graphs" in text
+        assert not any("lstm" in str(n.target) for g in report.graphs for n in getattr(g, "nodes", []))
+        assert len(report.graphs) == 2
+    else:  # torch 2.13/2.14: the frame is skipped
+        assert "no graphs compiled" in text
     assert fxmem.MemoryReport.from_json(report.to_json()).dynamo_unsupported == report.dynamo_unsupported

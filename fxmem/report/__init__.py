@@ -37,18 +37,23 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
-                        [] if comps else _dynamo_unsupported(), step)
+                        _dynamo_unsupported(bool(comps)), step)
 
 
-def _dynamo_unsupported() -> list[str]:
-    """Dynamo's unsupported constructs so far (their first line, and its hints): e.g. an
-    ``nn.LSTM``, which Dynamo traces only with ``torch._dynamo.config.allow_rnn = True``."""
+def _dynamo_unsupported(graphs: bool) -> list[str]:
+    """What Dynamo ran outside fxmem's graphs, in this process (first line, reason and hint):
+    the frames it skipped when no graph reached fxmem, else its graph breaks. One place for a
+    behaviour that differs between torch versions: an ``nn.LSTM`` (without
+    ``torch._dynamo.config.allow_rnn``) makes torch 2.13/2.14 skip the whole frame and torch 2.15
+    break the graph around it (a delayed graph break); either way the report names it."""
     from torch._dynamo.utils import counters
 
     out = []
-    for text in counters["unimplemented"]:
+    for text in counters["graph_break" if graphs else "unimplemented"]:
         lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-        out.append("; ".join(lines[:1] + [ln for ln in lines if ln.startswith("Hint:")][:1]))
+        reasons = [ln.split("Reason: ", 1)[1] for ln in lines[1:] if "Reason: " in ln]
+        hints = [ln for ln in lines if ln.startswith("Hint:")]
+        out.append("; ".join(lines[:1] + reasons[:1] + hints[:1]))
     return out
 
 

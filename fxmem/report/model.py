@@ -270,7 +270,8 @@ class MemoryReport:
     # Lowerings in graphs without a backward to plan (e.g. vmap(grad(...)) with no outer
     # backward): {"rows": [LoweringRow as dict], "notes": [str]} per graph.
     unplanned_lowerings: list[dict] = field(default_factory=list)
-    # With no graphs: what Dynamo could not trace in this process (why it ran the code eagerly).
+    # What Dynamo ran outside fxmem's graphs in this process: with no graphs, the frames it
+    # could not trace (why it ran the code eagerly); else its graph breaks (what runs between).
     dynamo_unsupported: list[str] = field(default_factory=list)
     # The latest step's graphs (indices into ``graphs``) in the order their forwards ran, a graph
     # once per call: several where graph breaks split the step. Empty: the latest graph alone.
@@ -284,6 +285,9 @@ class MemoryReport:
             rows = [LoweringRow(**r) for r in u["rows"]]
             parts.append("\n".join(["graph without a backward to plan:", *lowering_lines(rows, u["notes"])]))
         if parts:
+            if self.graphs and self.dynamo_unsupported:
+                parts.append("\n".join(["Dynamo ran outside these graphs (graph breaks in this process):",
+                                        *[f"  {u}" for u in self.dynamo_unsupported]]))
             return "\n\n".join(parts)
         lines = ["fxmem: no graphs compiled (Dynamo handed fxmem nothing to plan: it ran the model eagerly)"]
         if self.dynamo_unsupported:
