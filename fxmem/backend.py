@@ -45,13 +45,14 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
                   options: Mapping[str, Any] | Options | None = None, **kwargs: Any):
     """``torch.compile(model, backend="fxmem", options={...})``."""
     opts = _options(options, kwargs)                                              # options
-    check_plan_shape(gm, opts.plan_shape)
+    plan_shape = check_plan_shape(gm, opts.plan_shape)  # in the graph's input names
     ignore_once_warnings()  # for the next graphs Dynamo traces (register() did it at import)
     state = model_state_bytes(gm)
     comp = Compilation(opts, Inputs(example_inputs), _compile_id(), static_dims(gm), state,
-                       requested=as_requested(options))
+                       requested=as_requested(options), plan_shape=plan_shape)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
-    settings = PlanSettings.of(opts, fit_budget=fit.peak_budget(opts, state))  # the planner's, "fit" derived
+    settings = PlanSettings.of(opts, fit_budget=fit.peak_budget(opts, state),  # the planner's, "fit" derived
+                               plan_shape=plan_shape)
     with _stage("per-example"):
         chunked = _per_example(gm, example_inputs, comp)                          # per-example regions
     if chunked is not None:
@@ -145,7 +146,8 @@ def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation,
     the inner planner gets the level and rules only. Where a ghost norm cannot serve a call, the
     chunk is compiled again without ghost norms."""
     gm, lowered = lowering.lower(gm, example_inputs, chunk_lowering)
-    partitioner = Partitioner(PlanSettings.of(comp.options, inner=inner_name, budgets=False))
+    partitioner = Partitioner(PlanSettings.of(comp.options, inner=inner_name, budgets=False,
+                                              plan_shape=comp.plan_shape))
     ghost_pass = per_example.Ghost(comp.options if ghost else None, gm)  # None: ghost clipping off
     compiled = inner.compile_flat(gm, example_inputs, inner_name, lambda g: per_example.plan_flat(g, partitioner),
                                   rewrite=ghost_pass if ghost_pass.enabled else None,

@@ -48,6 +48,8 @@ class Compilation:
     unplanned_lowerings: list["Lowering"] = field(default_factory=list)
     # The ``options=`` torch.compile passed, as given ({} for none): which compiled callable it is for.
     requested: Any = field(default_factory=dict)
+    # ``options.plan_shape`` in this graph's input names (an nn.Sequential's ``input`` as ``args[0]``).
+    plan_shape: Mapping[str, tuple[int, ...]] | None = None
     created_ns: int = field(default_factory=time.monotonic_ns)
     called_ns: int = 0  # when its compiled step last ran (fxmem.explain takes the graphs its step ran)
 

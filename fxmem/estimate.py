@@ -122,7 +122,11 @@ def hf_spec(path: str, dtype: torch.dtype) -> Spec:
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"estimate: {file} needs a \"model_type\" that transformers knows (llama, gpt2, bert, vit, "
                          f"...), got {model_type!r}")
-    config = transformers.AutoConfig.for_model(model_type, **data)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **data)
+    except Exception as e:  # noqa: BLE001 - a value transformers refuses (its validators raise their own types)
+        raise ValueError(f"estimate: transformers cannot build a {model_type} config from {file}: {_complaint(e)}") \
+            from None
     config.use_cache = False  # training: no KV cache (it also trips Dynamo on the meta device)
     cls, attr = _hf_class(config), _depth_attr(config)
     if cls.__name__.endswith("ForSequenceClassification") or cls.__name__.endswith("ForImageClassification"):
@@ -134,12 +138,24 @@ def hf_spec(path: str, dtype: torch.dtype) -> Spec:
             setattr(cfg, attr, depth)
         with torch.device(device):
             torch.manual_seed(0)
-            model = cls(cfg).to(dtype)
+            try:
+                model = cls(cfg)
+            except Exception as e:  # noqa: BLE001 - e.g. a negative size: torch refuses the layer's tensor
+                raise ValueError(f"estimate: transformers cannot build {cls.__name__} from {file}: "
+                                 f"{_complaint(e)}") from None
+            model = model.to(dtype)
         if hasattr(model, "loss_type"):
             model.loss_type = getattr(cfg, "loss_type", None) or _loss_type(cls)
         return model.train()
 
     return Spec(build, getattr(config, attr) if attr else None, f"{cls.__name__} ({os.path.basename(file)})")
+
+
+def _complaint(e: BaseException) -> str:
+    """The library's own message, on one line: the innermost cause's (validators wrap theirs)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _loss_type(cls: type) -> str | None:
@@ -223,9 +239,9 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
     cap = parse_bytes(device, "device") if device is not None else None
     torch_dtype, opt = DTYPES[dtype], OPTIMIZERS[optimizer]
     spec = spec_for(source, torch_dtype)
+    sample = step_inputs(spec.build(1 if spec.layers else None, "meta"), 2, seq, torch_dtype)  # a bad config fails here
     log(f"{spec.name}: batch {batch}, seq {seq}, {dtype}, optimizer {optimizer}")
     out: dict[str, Any] = {"peak_bytes": {}, "resident_bytes": None, "max_batch": {}, "reports": {}}
-    sample = step_inputs(spec.build(1 if spec.layers else None, "meta"), 2, seq, torch_dtype)
     shapes = _shapes(sample, batch)
     text = "pixel_values" not in sample
     for level in levels:

@@ -10,6 +10,7 @@ too, so that a bad value fails the first compile instead of some later graph.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -148,6 +149,12 @@ def _err(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{_what(key)}: got {value!r}; allowed: {allowed}")
 
 
+def did_you_mean(name: Any, known: Any) -> str:
+    """``" did you mean 'level'?"`` for the known name closest to a misspelt ``name``; "" if none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1) if isinstance(name, str) else []
+    return f" did you mean {close[0]!r}?" if close else ""
+
+
 def _int(key: str, value: Any, allowed: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
@@ -177,19 +184,27 @@ def parse_config(value: Any, key: str = "config") -> tuple[Rule, ...]:
             items = [t for t in text.split(",") if t.strip()]
     else:
         raise _err(key, value, "a list of 'cluster:strategy:count' strings, a comma-separated string, or a JSON path")
+    parsed: dict[str, Rule] = {}  # each distinct text parsed once
     rules = []
     for item in items:
         if not isinstance(item, str):
             raise ValueError(f"{_what(key)}: got {item!r}{' ' + source if source else ''}; "
                              "allowed: 'cluster:strategy:count' strings")
-        rules.append(Rule.parse(item, key, source))
-    return tuple(rules)
+        rule = parsed.get(item)
+        if rule is None:
+            rule = parsed[item] = Rule.parse(item, key, source)
+        rules.append(rule)
+    # Identical rules count once, at the last one's place: rules apply in order, the last for an
+    # occurrence winning, so the earlier copies change nothing.
+    return tuple(reversed(dict.fromkeys(reversed(rules))))
 
 
 def _config_file(path: str, key: str) -> list:
     """The JSON list a config file holds; every error names the file."""
     where = f"{_what(key)}: config file {path!r}"
     allowed = "a JSON list of 'cluster:strategy:count' strings"
+    if os.path.isdir(path):
+        raise ValueError(f"{where} is a directory; allowed: a path to a file holding {allowed}")
     if not os.path.isfile(path):
         raise ValueError(f"{where} does not exist; allowed: a path to {allowed}, "
                          "or the strings inline, comma-separated")
@@ -292,7 +307,8 @@ def _parse_lowering(value: Any, key: str = "lowering") -> bool | Mapping[str, bo
                                f"patterns: {', '.join(LOWERING_PATTERNS)}")
     for name, on in value.items():
         if name not in LOWERING_PATTERNS:
-            raise _err(f"{key}.{name}", on, f"pattern names {', '.join(LOWERING_PATTERNS)}")
+            raise ValueError(f"{_what(f'{key}.{name}')}: got {on!r};{did_you_mean(name, LOWERING_PATTERNS)} "
+                             f"allowed: pattern names {', '.join(LOWERING_PATTERNS)}")
         _bool(f"{key}.{name}", on)
     return MappingProxyType(dict(value))
 
@@ -373,7 +389,8 @@ def resolve(options: Mapping[str, Any] | Options | None = None, env: Mapping[str
     values = _from_env(os.environ if env is None else env)
     for key, value in options.items():
         if key not in _PARSERS:
-            raise ValueError(f"option {key!r}: unknown option (value {value!r}); allowed keys: {', '.join(_PARSERS)}")
+            raise ValueError(f"option {key!r}: unknown option (value {value!r});{did_you_mean(key, _PARSERS)} "
+                             f"allowed keys: {', '.join(_PARSERS)}")
         values[key] = _PARSERS[key](value)
     if values.get("memory_budget") is not None and values.get("peak_budget") is not None:
         raise ValueError(f"options 'memory_budget' ({values['memory_budget']!r}) and 'peak_budget' "

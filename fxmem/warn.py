@@ -9,6 +9,7 @@ notes (the caller adds them) and to the ``fxmem`` log at INFO (``TORCH_LOGS=fxme
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import warnings
@@ -22,7 +23,13 @@ _SKIP = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, logging)) 
 
 
 def _outside(frame: FrameType) -> bool:
-    path = frame.f_code.co_filename
+    return _outside_file(frame.f_code.co_filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _outside_file(path: str) -> bool:
+    """Whether ``path`` lies outside torch, fxmem and logging; cached: resolving a path costs
+    system calls, and a warning walks some 40 frames."""
     return not path.startswith("<") and not str(Path(path).resolve()).startswith(_SKIP)
 
 

@@ -52,6 +52,21 @@ def test_cli_bad_model_type_and_values(tmp_path, capsys):
         estimate(str(bad), 2, 8, levels=(3,))
 
 
+@pytest.mark.parametrize("field, value, complaint", [
+    ("hidden_size", -5, "The hidden size (-5) is not a multiple of the number of attention heads (2)"),  # the config
+    ("intermediate_size", -8, "Trying to create tensor with negative dimension -8"),  # the model
+])
+def test_cli_config_the_library_refuses_is_one_line(tmp_path, capsys, field, value, complaint):
+    """A value transformers refuses (building the config or the model, before any compile) is one
+    line naming the file and the library's complaint, exit 2."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, field: value}))
+    code, _, err = _cli(["estimate", str(path), "--batch", "2", "--seq", "8"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("python -m fxmem estimate: error: transformers cannot build ") and f" from {path}: " in err
+    assert complaint in err, err
+
+
 @pytest.mark.parametrize("command", list(cli.COMMANDS))
 def test_every_command_has_help_with_defaults(command, capsys):
     code, out, _ = _cli([command, "--help"], capsys)

@@ -50,7 +50,8 @@ def test_options_are_frozen():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"levle": 1}, r"option 'levle': unknown option \(value 1\); allowed keys: level, config"),
+    ({"levle": 1}, r"option 'levle': unknown option \(value 1\); did you mean 'level'\? allowed keys: level, config"),
+    ({"xyzzy": 1}, r"option 'xyzzy': unknown option \(value 1\); allowed keys: level, config"),
     ({"level": "high"}, r"option 'level': got 'high'; allowed: 0, 1 or 2"),
     ({"level": 3}, r"option 'level': got 3; allowed: 0, 1 or 2"),
     ({"level": -1}, r"option 'level': got -1; allowed: 0, 1 or 2"),
@@ -72,7 +73,8 @@ def test_options_are_frozen():
                                                     r"\(1000000000\): give one"),
     ({"inner": "tvm"}, r"option 'inner': got 'tvm'; allowed: 'inductor' or 'eager'"),
     ({"microbatch_size": 0}, r"option 'microbatch_size': got 0; allowed: None, a positive int, or 'auto'"),
-    ({"lowering": {"bias_gleu": True}}, r"option 'lowering.bias_gleu': got True; allowed: pattern names"),
+    ({"lowering": {"bias_gleu": True}}, r"option 'lowering.bias_gleu': got True; did you mean 'bias_gelu'\? "
+                                        r"allowed: pattern names"),
     ({"plan_shape": {"input_ids": [0, 4]}}, r"option 'plan_shape': got \{'input_ids': \[0, 4\]\}"),
     ({"strict": "yes"}, r"option 'strict': got 'yes'; allowed: True or False"),
 ])
@@ -154,9 +156,16 @@ def test_config_file_errors_name_the_file(tmp_path):
     path.write_text(json.dumps({"a": 1}))
     with pytest.raises(ValueError, match=rf"environment variable FXMEM_MEMORY_OPT_CONFIG: {where} holds \{{'a': 1\}}"):
         resolve({}, env={"FXMEM_MEMORY_OPT_CONFIG": str(path)})
-    (tmp_path / "dir.json").mkdir()
-    with pytest.raises(ValueError, match=r"config file '.*dir.json' does not exist"):
-        resolve({"config": str(tmp_path / "dir.json")}, env=ENV0)
+
+
+@pytest.mark.parametrize("name", ["dir.json", "rules"])
+def test_config_path_that_is_a_directory_says_so(tmp_path, name):
+    """A directory is not reported as missing: the error says it is one and that a file is expected."""
+    (tmp_path / name).mkdir()
+    where = re.escape(f"option 'config': config file '{tmp_path / name}' is a directory; allowed: a path to a "
+                      "file holding a JSON list of 'cluster:strategy:count' strings")
+    with pytest.raises(ValueError, match=where):
+        resolve({"config": str(tmp_path / name)}, env=ENV0)
 
 
 def test_report_path_is_a_file_path_and_its_folder_is_created(tmp_path):
@@ -221,3 +230,56 @@ def test_inductor_config_trades_speed_for_memory_only_where_memory_comes_first(o
     """Level 0 without budgets keeps Inductor's own choices (the layout where the option sets
     it); a level or budget turns its channels-last copies and its buffer pool off."""
     assert resolve(options).inductor_config() == config
+
+
+def test_plan_shape_on_a_sequential_takes_its_forward_parameter_name():
+    """Dynamo names an nn.Sequential's input args[0]; plan_shape takes that or the forward's own
+    parameter name (``input``), and a wrong key's error lists exactly the keys accepted."""
+    import fxmem
+    from fxmem import OptionError
+
+    def run(plan_shape):
+        torch._dynamo.reset()
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        compiled = torch.compile(model, backend="fxmem", dynamic=True,
+                                 options={"inner": "eager", "plan_shape": plan_shape})
+        compiled(torch.randn(8, 16)).sum().backward()
+        (comp,) = fxmem.compilations(compiled)
+        sizes = comp.graphs[0].sizes
+        return {sizes.names[s]: v for s, v in sizes.values.items()}
+
+    assert run({"input": [64, 16]}) == run({"args[0]": [64, 16]}) == {"args[0].size(0)": 64, "args[0].size(1)": 16}
+    with pytest.raises(OptionError, match=r"option 'plan_shape': 'inputs' names no input or dimension of this "
+                                          r"graph; the graph's dims: args\[0\]\.size\(0\) = (s\d+), "
+                                          r"args\[0\]\.size\(1\) = 16; allowed keys: 'input' or 'args\[0\]' "
+                                          r"\(at most 2 sizes\), '\1' \(one size\)(\n|$)"):
+        run({"inputs": [64, 16]})
+    with pytest.raises(OptionError, match=r"'input': got \[1, 2, 3\]; allowed: at most 2 sizes"):
+        run({"input": [1, 2, 3]})
+
+
+def test_200k_rules_parse_fast_and_warn_once():
+    """Rules are deduplicated and validated once each (the last of identical rules keeps its
+    place); rules that match nothing give one warning in total, naming how many, not one each."""
+    import time
+    import warnings
+
+    distinct = [f"nosuch{i}+:1:-1" for i in range(100)]
+    rules = distinct * 2000  # 200,000 rules, 100 distinct
+    started = time.perf_counter()
+    o = resolve({"inner": "eager", "config": ",".join(rules)}, env=ENV0)
+    assert [str(r) for r in o.config] == distinct
+    assert time.perf_counter() - started < 5
+    assert [str(r) for r in resolve({"config": ["a+:1:-1", "b+:0:-1", "a+:1:-1"]}, env=ENV0).config] == \
+        ["b+:0:-1", "a+:1:-1"]  # the last identical rule's place: a+ comes after b+, as written
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "config": rules})
+    started = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 8)).sum().backward()
+    ours = [str(w.message) for w in caught if "match no cluster" in str(w.message)]
+    assert len(ours) == 1 and ours[0].startswith("fxmem: 100 rules match no cluster of this graph: nosuch0+:1:-1"), ours
+    assert time.perf_counter() - started < 60

@@ -7,9 +7,10 @@ plain integers. ``SymbolicSizes.at(expr)`` evaluates a formula at the plan shape
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import sympy
 import torch
@@ -56,30 +57,71 @@ def static_dims(gm: fx.GraphModule) -> dict[str, int]:
     return {name: d for name, d in input_dims(gm).items() if isinstance(d, int)}
 
 
-def check_plan_shape(gm: fx.GraphModule, plan_shape: Mapping[str, tuple[int, ...]] | None) -> None:
-    """Raise :class:`OptionError` unless every key of ``plan_shape`` names an input of the Dynamo
-    graph ``gm`` (with at most as many sizes as it has dimensions) or one of its dynamic
-    dimensions' symbols (with one size). Checked on Dynamo's graph, where inputs have their names;
-    :meth:`SymbolicSizes.of` then applies the sizes of the dynamic dimensions (a static one keeps
-    the only size its graph runs at)."""
+def forward_parameters(module: Any) -> list[str]:
+    """The names of a module's ``forward`` positional parameters: what Dynamo's ``args[i]`` are."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def traced_parameters() -> list[str]:
+    """The forward parameters of the module whose call Dynamo is compiling now, where Dynamo
+    traced it through its ``fn(*args)`` wrapper (``torch.compile`` of an ``nn.Sequential``):
+    there its inputs are named ``args[i]``. Empty elsewhere."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):  # not inside a Dynamo compile
+        return []
+    return forward_parameters(getattr(tx, "f_locals", {}).get("fn"))
+
+
+def check_plan_shape(gm: fx.GraphModule, plan_shape: Mapping[str, tuple[int, ...]] | None,
+                     positional: list[str] | None = None) -> Mapping[str, tuple[int, ...]] | None:
+    """``plan_shape`` in the Dynamo graph ``gm``'s names; raise :class:`OptionError` unless every
+    key names an input of ``gm`` (with at most as many sizes as it has dimensions) or one of its
+    dynamic dimensions' symbols (with one size). An input Dynamo named ``args[i]`` may also be
+    named by the module's ``forward`` parameter (``positional``, default :func:`traced_parameters`):
+    ``input`` for an ``nn.Sequential``'s ``args[0]``. Checked on Dynamo's graph, where inputs have
+    their names; :meth:`SymbolicSizes.of` then applies the sizes of the dynamic dimensions (a
+    static one keeps the only size its graph runs at)."""
     if not plan_shape:
-        return
+        return plan_shape
     dims = input_dims(gm)
     rank: dict[str, int] = {}
     for name in dims:
         input_name = name.rsplit(".size(", 1)[0]
         rank[input_name] = rank.get(input_name, 0) + 1
-    symbols = {d for d in dims.values() if isinstance(d, str)}
+    symbols = list(dict.fromkeys(d for d in dims.values() if isinstance(d, str) and d.isidentifier()))
+    names = traced_parameters() if positional is None else positional
+    alias = {}  # forward parameter -> args[i]
+    for key in rank:
+        m = re.fullmatch(r"args\[(\d+)\]", key)
+        if m and int(m.group(1)) < len(names) and names[int(m.group(1))] not in (*rank, *symbols):
+            alias[names[int(m.group(1))]] = key
     listed = ", ".join(f"{name} = {d}" for name, d in dims.items()) or "none"
+    aka = {key: a for a, key in alias.items()}
+    accepted = [f"{aka[k]!r} or {k!r}" if k in aka else repr(k) for k in rank]
+    accepted = [f"{a} (at most {n} sizes)" for a, n in zip(accepted, rank.values())]
+    accepted = ", ".join([*accepted, *(f"{sym!r} (one size)" for sym in symbols)]) or "none"
+    out = {}
     for key, sizes in plan_shape.items():
-        if (key in rank and len(sizes) <= rank[key]) or (key in symbols and len(sizes) == 1):
+        name = alias.get(key, key)
+        if (name in rank and len(sizes) <= rank[name]) or (name in symbols and len(sizes) == 1):
+            out[name] = sizes
             continue
-        if key in rank or key in symbols:
-            want = f"at most {rank[key]} sizes" if key in rank else "one size"
+        if name in rank or name in symbols:
+            want = f"at most {rank[name]} sizes" if name in rank else "one size"
             raise OptionError(f"option 'plan_shape': {key!r}: got {list(sizes)}; allowed: {want}; "
                               f"the graph's dims: {listed}")
         raise OptionError(f"option 'plan_shape': {key!r} names no input or dimension of this graph; the graph's "
-                          f"dims: {listed}; allowed: an input name (sizes in order) or a dynamic dim's symbol")
+                          f"dims: {listed}; allowed keys: {accepted}")
+    return out
 
 
 def model_state_bytes(gm: fx.GraphModule) -> tuple[int, int]:

@@ -87,15 +87,15 @@ def _recomputable(ctx: PlanContext, settings: PlanSettings, notes: list[str]) ->
 
 def _apply_rules(settings: PlanSettings, clusters: list[Cluster], recomputable: set[fx.Node],
                  no_save: set[fx.Node], notes: list[str]) -> list[tuple[str, str, int]]:
-    applied = []
-    ids = sorted({c.id for c in clusters})
+    """Apply the user's rules in order; the rules that match no cluster give one warning in all."""
+    applied, unmatched = [], []
+    by_id: dict[str, list[Cluster]] = {}
+    for c in clusters:
+        by_id.setdefault(c.id, []).append(c)
     for rule in settings.config:
-        matching = [c for c in clusters if c.id == rule.cluster]
+        matching = by_id.get(rule.cluster)
         if not matching:
-            msg = f"rule {rule}: cluster {rule.cluster!r} matches nothing; clusters in this graph: {', '.join(ids)}"
-            warn(f"fxmem: rule {brief(str(rule), 60)} matches no cluster of this graph (fxmem.report lists them)",
-                 detail=msg)
-            notes.append(msg)
+            unmatched.append(rule)
             continue
         chosen = matching if rule.count == -1 else matching[: rule.count]
         for c in chosen:
@@ -106,7 +106,23 @@ def _apply_rules(settings: PlanSettings, clusters: list[Cluster], recomputable: 
                 recomputable.update(n for n in c.nodes if kind(n) != "never")
                 no_save.add(c.stash)
         applied.append((str(rule), rule.cluster, len(chosen)))
+    if unmatched:
+        _warn_unmatched(unmatched, sorted(by_id), notes)
     return applied
+
+
+def _warn_unmatched(rules: list, ids: list[str], notes: list[str]) -> None:
+    """One warning (and one note, with the graph's cluster ids) for all the rules that match nothing."""
+    if len(rules) == 1:
+        short = f"rule {brief(str(rules[0]), 60)} matches no cluster of this graph"
+        note = f"rule {rules[0]}: cluster {rules[0].cluster!r} matches nothing"
+    else:
+        listed = ", ".join(str(r) for r in rules)
+        short = brief(f"{len(rules)} rules match no cluster of this graph: {listed}", 110)
+        note = f"{len(rules)} rules match nothing: {listed}"
+    msg = f"{note}; clusters in this graph: {', '.join(ids)}"
+    warn(f"fxmem: {short} (fxmem.report lists them)", detail=msg)
+    notes.append(msg)
 
 
 def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:

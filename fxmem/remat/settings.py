@@ -64,13 +64,15 @@ class PlanSettings:
 
     @classmethod
     def of(cls, options: Options, *, inner: str | None = None, budgets: bool = True,
-           fit_budget: int | None = None) -> "PlanSettings":
+           fit_budget: int | None = None, plan_shape: Mapping[str, tuple[int, ...]] | None = None) -> "PlanSettings":
         """``options``' settings; ``inner`` where a stage plans for another target;
         ``budgets=False`` leaves the budgets out (a per-example chunk graph); ``fit_budget``: the
-        ``peak_budget`` that the ``fit`` option leaves for this graph (:func:`fxmem.fit.peak_budget`)."""
+        ``peak_budget`` that the ``fit`` option leaves for this graph (:func:`fxmem.fit.peak_budget`);
+        ``plan_shape``: ``options.plan_shape`` in the graph's input names (``graph.sizes.check_plan_shape``)."""
         peak = fit_budget if options.fit is not None else options.peak_budget
+        shape = options.plan_shape if plan_shape is None else plan_shape
         return cls(options.level, options.config, options.memory_budget if budgets else None,
-                   peak if budgets else None, options.strict, options.plan_shape, TARGETS[inner or options.inner])
+                   peak if budgets else None, options.strict, shape, TARGETS[inner or options.inner])
 
     @property
     def budgeted(self) -> bool:

@@ -59,18 +59,9 @@ def _dynamo_unsupported(graphs: bool) -> list[str]:
 
 def _positional_names(compiled: Any) -> list[str]:
     """The names of a module's ``forward`` parameters, for inputs Dynamo saw as ``args[i]``."""
-    import inspect
+    from ..graph.sizes import forward_parameters
 
-    import torch
-
-    module = getattr(compiled, "_orig_mod", compiled)
-    if not isinstance(module, torch.nn.Module):
-        return []
-    try:
-        params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return forward_parameters(getattr(compiled, "_orig_mod", compiled))
 
 
 def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) -> MemoryReport:
