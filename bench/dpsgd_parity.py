@@ -65,7 +65,7 @@ def train(rank: int, world: int, args, port: int, out: dict) -> list[dict]:
         loader = DataLoader(TensorDataset(ids), batch_size=args.batch // world)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         model, opt, loader = make_private(module=model, optimizer=opt, data_loader=loader,
-                                          noise_multiplier=args.noise, max_grad_norm=1.0,
+                                          noise_multiplier=args.noise, max_grad_norm=1.0, accountant="rdp",
                                           microbatch_size=args.microbatch, options={"inner": args.inner})
         rows = []
         for step, (x,) in enumerate(loader):

@@ -220,7 +220,7 @@ class FxmemPrivate:
         loader = DataLoader(TensorDataset(*data), batch_size=batch)
         self.module, self.opt, _ = make_private(
             module=module, optimizer=torch.optim.Adam(module.parameters(), lr=LR), data_loader=loader,
-            noise_multiplier=SIGMA, max_grad_norm=C, microbatch_size=m, options={"inner": inner},
+            noise_multiplier=SIGMA, max_grad_norm=C, accountant="rdp", microbatch_size=m, options={"inner": inner},
             noise_generator=torch.Generator().manual_seed(SEED + 1))
 
     def step(self, s: int) -> float:

@@ -100,7 +100,7 @@ def test_noise_at_step_is_sigma_c_over_the_expected_batch_from_the_generator():
         noise = torch.normal(0.0, 2.0 * C / 4, p.shape, generator=g)
         torch.testing.assert_close(w - p.detach(), clean + noise)
     assert popt.accountant.steps == 1
-    assert popt.epsilon(1e-5) == pytest.approx(epsilon(2.0, 4 / 20, 1, 1e-5))
+    assert popt.epsilon(1e-5) == pytest.approx(epsilon(2.0, 4 / 20, 1, 1e-5, accountant="prv"))  # Opacus' default
 
 
 def test_secure_mode_noise_is_not_reproducible_from_torch_seed():
@@ -139,8 +139,9 @@ def test_accountant_state_dict_resumes_and_make_private_with_epsilon_meets_the_t
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
         target_epsilon=5.0, target_delta=1e-5, epochs=3, max_grad_norm=C, microbatch_size=None, options=EAGER)
     steps = 3 * len(loader)
-    assert epsilon(popt.noise_multiplier, 4 / 20, steps, 1e-5) <= 5.0
-    assert epsilon(popt.noise_multiplier * 0.95, 4 / 20, steps, 1e-5) > 5.0  # the smallest such sigma (~)
+    assert engine.accountant.accountant == "prv"  # Opacus' default
+    assert epsilon(popt.noise_multiplier, 4 / 20, steps, 1e-5, accountant="prv") <= 5.0
+    assert epsilon(popt.noise_multiplier * 0.95, 4 / 20, steps, 1e-5, accountant="prv") > 5.0  # the smallest (~)
     engine.accountant.step(popt.noise_multiplier, popt.sample_rate, steps=steps)
     state = engine.state_dict()
     resumed = PrivacyEngine()
@@ -241,3 +242,164 @@ def test_grad_is_opacus_ghost_clipping_sum_over_the_expected_batch():
     for name, p in ours.named_parameters():
         err = (p.grad * 6 - opacus[name]).abs().max().item() / scale
         assert err <= 1e-5, f"{name}: {err:.2e} of the largest"
+
+
+# --- Opacus parity: the same script with only the import changed ---------------------------------
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records, at each real step, the parameters and ``.grad`` it steps with (Opacus'
+    and fxmem's DPOptimizer call the wrapped optimizer's ``step`` once per logical batch)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.records = []
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.records.append(([p.detach().clone() for p in params],
+                             [None if p.grad is None else p.grad.detach().clone() for p in params]))
+        return super().step(closure)
+
+
+def _tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _opacus_script(PrivacyEngine, BatchMemoryManager=None, *, noise=1.0, epochs=2, **make_private_kwargs):
+    """An Opacus tutorial loop (40 examples, batch_size 10: sample rate 0.25, 4 steps an epoch);
+    ``PrivacyEngine``/``BatchMemoryManager`` are Opacus' or fxmem's (physical batches of at most
+    3). Returns (epsilon, engine, optimizer, [(x, y, step skipped) per physical batch])."""
+    torch.manual_seed(0)
+    model = _tiny()
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
+    loader = DataLoader(data, batch_size=10)
+    optimizer = _RecordingSGD(model.parameters(), lr=0.5)
+    criterion = nn.CrossEntropyLoss()
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                   noise_multiplier=noise, max_grad_norm=C,
+                                                   **make_private_kwargs)
+    seen = []
+
+    def one_epoch(batches):
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+            seen.append((x, y, optimizer._is_last_step_skipped))
+
+    for _ in range(epochs):
+        if BatchMemoryManager is None:
+            one_epoch(loader)
+        else:
+            with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3,
+                                    optimizer=optimizer) as physical_loader:
+                one_epoch(physical_loader)
+    return (engine.get_epsilon(1e-5) if noise else None), engine, optimizer, seen
+
+
+FXMEM_KW = dict(microbatch_size=3, options=EAGER)  # the eager inner compiler, as everywhere in the tests
+
+
+def test_default_accountant_and_epsilon_are_opacus():
+    """The same 8 steps (noise 1.0, sample rate 10/40) through opacus.PrivacyEngine and
+    fxmem.dpsgd.PrivacyEngine with their defaults: the same accountant (prv), the same epsilon;
+    an explicit accountant still applies."""
+    import opacus
+
+    want, o_engine, _, _ = _opacus_script(opacus.PrivacyEngine)
+    got, f_engine, f_opt, _ = _opacus_script(PrivacyEngine, **FXMEM_KW)
+    print(f"epsilon at delta 1e-5 after 8 steps: opacus {want:.4f}, fxmem {got:.4f}")
+    assert o_engine.accountant.mechanism() == "prv" == f_engine.accountant.accountant
+    assert o_engine.accountant.history == f_engine.accountant.history == [(1.0, 0.25, 8)]
+    assert got == pytest.approx(want, rel=0.01)
+    assert f_opt.epsilon(1e-5) == got
+    for name in ("rdp", "gdp"):
+        engine = PrivacyEngine(name)
+        engine.accountant.step(1.0, 0.25, steps=8)
+        ref = opacus.PrivacyEngine(accountant=name)
+        ref.accountant.history.append((1.0, 0.25, 8))
+        assert engine.accountant.accountant == name
+        assert engine.get_epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-9)
+    assert make_private.__kwdefaults__["accountant"] == "prv"
+
+
+@pytest.mark.slow
+def test_batch_memory_manager_script_runs_with_only_the_import_changed():
+    """Opacus' BatchMemoryManager loop (physical batches of at most 3 of Poisson logical batches
+    of expected size 10): fxmem's takes one step per logical batch with ``.grad`` the clipped
+    mean of the whole logical batch (noise 0; against a float64 per-example loop), accounts one
+    step per logical batch, and reports Opacus' epsilon with noise 1."""
+    import opacus
+    from opacus.utils.batch_memory_manager import BatchMemoryManager as OpacusBMM
+
+    from fxmem.dpsgd import BatchMemoryManager
+
+    want, o_engine, _, _ = _opacus_script(opacus.PrivacyEngine, OpacusBMM)
+    got, f_engine, f_opt, f_seen = _opacus_script(PrivacyEngine, BatchMemoryManager, **FXMEM_KW)
+    print(f"BatchMemoryManager, epsilon at delta 1e-5 after 8 steps: opacus {want:.4f}, fxmem {got:.4f}")
+    assert o_engine.accountant.history == f_engine.accountant.history == [(1.0, 0.25, 8)]
+    assert got == pytest.approx(want, rel=0.01)
+    assert len(f_opt.original_optimizer.records) == 8 == sum(not s for *_, s in f_seen)
+
+    _, _, opt, seen = _opacus_script(PrivacyEngine, BatchMemoryManager, noise=0.0, **FXMEM_KW)
+    records = opt.original_optimizer.records
+    assert len(records) == 8 and opt.noiseless_steps == 8 and not opt._step_skip_queue
+    assert all(len(x) <= 3 for x, _, _ in seen)
+    logical, current = [], []
+    for x, y, skipped in seen:  # physical batches up to a step that was not skipped: one logical batch
+        current.append((x, y))
+        if not skipped:
+            logical.append(current)
+            current = []
+    assert len(logical) == 8 and not current
+    sizes = [[len(x) for x, _ in batch] for batch in logical]
+    assert any(len(s) >= 3 and len(set(s)) > 1 for s in sizes), sizes  # split unevenly (array_split's sizes)
+    assert all(max(s) - min(s) <= 1 for s in sizes), sizes
+    names = [k for k, _ in _tiny().named_parameters()]
+    for step, (batch, (params, grads)) in enumerate(zip(logical, records)):
+        model = _tiny()
+        model.load_state_dict(dict(zip(names, params)))
+        x, y = torch.cat([b[0] for b in batch]), torch.cat([b[1] for b in batch])
+        want_grad = clipped_mean_f64(model, x, y, expected=10, make=_tiny)
+        for k, gr in zip(names, grads):
+            assert (gr.double() - want_grad[k]).abs().max() <= 1e-4, (step, k, sizes[step])
+
+
+def test_batch_memory_manager_skips_step_noise_and_accounting_inside_a_logical_batch():
+    """The optimizer's side of the protocol, by hand: a queued skip keeps params, ``.grad``
+    (through ``zero_grad``) and the accountant; the next step noises, steps, accounts."""
+    from fxmem.dpsgd import BatchMemoryManager
+
+    model = _model()
+    x, y = _data()
+    pm, popt, pl = make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0,
+                                max_grad_norm=C, microbatch_size=None, options=EAGER)
+    start = [p.detach().clone() for p in model.parameters()]
+    popt.signal_skip_step(True)
+    popt.signal_skip_step(False)
+    F.cross_entropy(pm(x[:3]), y[:3]).backward()
+    first = [p.grad.clone() for p in model.parameters()]
+    assert popt.step() is None and popt._is_last_step_skipped
+    popt.zero_grad()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), first))
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start)) and popt.accountant.steps == 0
+    F.cross_entropy(pm(x[3:5]), y[3:5]).backward()
+    popt.step()
+    assert not popt._is_last_step_skipped and popt.accountant.steps == 1
+    assert not all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+    popt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="max_physical_batch_size"):
+        BatchMemoryManager(data_loader=pl, max_physical_batch_size=0, optimizer=popt)
+    with pytest.raises(ValueError, match="DPOptimizer"):
+        BatchMemoryManager(data_loader=pl, max_physical_batch_size=2,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    with BatchMemoryManager(data_loader=pl, max_physical_batch_size=1, optimizer=popt) as physical:
+        assert len(physical) == len(pl) * 4
+        next(iter(physical))
+        assert popt._step_skip_queue  # the loop left early: its signals are dropped on exit
+    assert popt._step_skip_queue == []

@@ -6,7 +6,10 @@ Opacus' API on a plain loop (``private.py``)::
                                             noise_multiplier=1.1, max_grad_norm=1.0)
     for x, y in loader:
         optimizer.zero_grad(); criterion(model(x), y).backward(); optimizer.step()
-    optimizer.accountant.epsilon(1e-5)
+    optimizer.accountant.epsilon(1e-5)             # accountant "prv" by default, as Opacus' engine
+
+Logical batches in physical ones: ``with BatchMemoryManager(data_loader=loader,
+max_physical_batch_size=8, optimizer=optimizer) as physical: for x, y in physical: ...``.
 
 The functional API underneath:
 
@@ -34,6 +37,7 @@ Accounting needs ``opacus`` (the ``dpsgd`` extra).
 """
 
 from .accounting import ACCOUNTANTS, PrivacyAccountant, epsilon, noise_multiplier_for
+from .batch_memory_manager import BatchMemoryManager
 from .clipping import ClippedGradFn, clip_factor, clipped_grad
 from .functional import make_functional
 from .noise import add_noise
@@ -44,6 +48,7 @@ from .validate import UnsupportedModuleError, fix, validate
 
 __all__ = [
     "ACCOUNTANTS",
+    "BatchMemoryManager",
     "ClippedGradFn",
     "DPOptimizer",
     "DPSGD",

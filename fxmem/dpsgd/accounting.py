@@ -51,9 +51,10 @@ def _steps(value: Any) -> int:
 
 class PrivacyAccountant:
     """Tracks the privacy spent by DP-SGD steps (Poisson-subsampled Gaussian mechanism) with an
-    opacus accountant: ``"rdp"`` (Renyi DP, opacus' default), ``"prv"`` (privacy random
-    variables: tighter) or ``"gdp"`` (Gaussian DP, asymptotic). ``opacus`` is the opacus
-    accountant itself."""
+    opacus accountant: ``"rdp"`` (Renyi DP; the default here, as in opacus'
+    ``get_noise_multiplier``), ``"prv"`` (privacy random variables: tighter; the default of
+    opacus' and fxmem's ``PrivacyEngine``) or ``"gdp"`` (Gaussian DP, asymptotic). ``opacus`` is
+    the opacus accountant itself."""
 
     def __init__(self, accountant: str = "rdp"):
         self.accountant = accountant

@@ -44,9 +44,11 @@ from .rnn import shadow
 from .sampling import poisson_loader
 from .validate import validate
 
-__all__ = ["DPOptimizer", "PrivacyEngine", "PrivateModule", "make_private", "make_private_with_epsilon"]
+__all__ = ["DEFAULT_ACCOUNTANT", "DPOptimizer", "PrivacyEngine", "PrivateModule", "make_private",
+           "make_private_with_epsilon"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
+DEFAULT_ACCOUNTANT = "prv"  # opacus.PrivacyEngine's default (opacus 1.6 privacy_engine.py): same script, same epsilon
 
 
 def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
@@ -158,7 +160,13 @@ class DPOptimizer:
     Gaussian noise of std ``noise_multiplier * max_grad_norm / expected_batch_size`` to every
     trainable parameter's ``.grad`` (the clipped mean that backward left there), steps the
     user's optimizer and records the step in ``accountant``. Everything else is the user's
-    optimizer's (``zero_grad``, ``param_groups``, ``state_dict``...)."""
+    optimizer's (``zero_grad``, ``param_groups``, ``state_dict``...).
+
+    Logical batches in physical ones (:class:`~fxmem.dpsgd.BatchMemoryManager`), as Opacus':
+    ``signal_skip_step(True)`` queues a skip; a ``step()`` that pops one neither adds noise nor
+    steps nor accounts (``_is_last_step_skipped`` is then True), and the ``zero_grad()`` after
+    it keeps ``.grad``, where the physical batches' clipped sums add up; the next ``step()``
+    that pops no skip noises and steps the logical batch's clipped sum / expected batch size."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule, noise_multiplier: float,
                  sample_rate: float, accountant: PrivacyAccountant, generator: torch.Generator | None,
@@ -167,6 +175,8 @@ class DPOptimizer:
         self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
         self.generator, self.secure_mode = generator, secure_mode
         self.noiseless_steps = 0  # steps with noise_multiplier 0 (not in the accountant: epsilon = inf)
+        self._step_skip_queue: list[bool] = []
+        self._is_last_step_skipped = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["original_optimizer"], name)
@@ -193,16 +203,52 @@ class DPOptimizer:
                 torch.distributed.broadcast(noise, src=0)
             p.grad.add_(noise.to(p.grad.dtype))
 
+    @property
+    def max_grad_norm(self) -> float:
+        return self.module.max_grad_norm
+
+    @property
+    def expected_batch_size(self) -> int:
+        return self.module.expected_batch_size
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.module.loss_reduction
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Queue whether the next ``step()`` ends a physical batch only (``True``: accumulate,
+        no noise, no step, no accounting) or the logical batch (``False``). Opacus' method, called
+        by the :class:`~fxmem.dpsgd.BatchMemoryManager`'s sampler as it emits each physical
+        batch (a queue: loader workers run ahead of the loop)."""
+        self._step_skip_queue.append(bool(do_skip))
+
+    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        if not self._step_skip_queue:
+            return False
+        return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
+
     def step(self, closure=None):
+        if self._check_skip_next_step():  # a physical batch inside a logical one: keep accumulating
+            if closure is not None:
+                with torch.enable_grad():
+                    closure()
+            self._is_last_step_skipped = True
+            return None
         self.add_noise()
         out = self.original_optimizer.step(closure)
         if self.noise_multiplier == 0:  # no privacy: epsilon is infinite from now on
             self.noiseless_steps += 1
         else:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self._is_last_step_skipped = False
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The user's optimizer's ``zero_grad``, except after a skipped step (a physical batch
+        inside a logical one): then ``.grad`` holds the logical batch's clipped sum so far and
+        is kept (Opacus keeps its ``p.summed_grad`` then)."""
+        if self._is_last_step_skipped:
+            return
         self.original_optimizer.zero_grad(set_to_none)
 
     def epsilon(self, delta: float) -> float:
@@ -233,12 +279,13 @@ def _shard(loader: DataLoader, rank: int, world: int) -> DataLoader:
 
 class PrivacyEngine:
     """Opacus' ``PrivacyEngine``: ``make_private``/``make_private_with_epsilon`` wrap a model,
-    optimizer and loader; ``accountant`` (a :class:`PrivacyAccountant`) records every step;
+    optimizer and loader; ``accountant`` (a :class:`PrivacyAccountant`, ``"prv"`` by default as
+    Opacus', or ``"rdp"``/``"gdp"``) records every step;
     ``get_epsilon(delta)``; ``state_dict()``/``load_state_dict()`` save and resume the
     accounting. ``secure_mode``: noise and Poisson sampling from :func:`secure_generator`, noise
     drawn as Opacus' secure mode does."""
 
-    def __init__(self, accountant: str = "rdp", secure_mode: bool = False):
+    def __init__(self, accountant: str = DEFAULT_ACCOUNTANT, secure_mode: bool = False):
         if not isinstance(secure_mode, bool):
             raise ValueError(f"PrivacyEngine: secure_mode must be True or False, got {secure_mode!r}")
         self.accountant = PrivacyAccountant(accountant)
@@ -318,7 +365,7 @@ class PrivacyEngine:
 
 def make_private(*, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                  noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
-                 secure_mode: bool = False, accountant: str = "rdp", **kwargs: Any
+                 secure_mode: bool = False, accountant: str = DEFAULT_ACCOUNTANT, **kwargs: Any
                  ) -> tuple[PrivateModule, DPOptimizer, DataLoader]:
     """``PrivacyEngine(accountant, secure_mode).make_private(...)``; the engine's accountant is
     ``optimizer.accountant``."""
@@ -328,7 +375,7 @@ def make_private(*, module: nn.Module, optimizer: torch.optim.Optimizer, data_lo
 
 
 def make_private_with_epsilon(*, target_epsilon: float, target_delta: float, epochs: int,
-                              secure_mode: bool = False, accountant: str = "rdp", **kwargs: Any):
+                              secure_mode: bool = False, accountant: str = DEFAULT_ACCOUNTANT, **kwargs: Any):
     """``PrivacyEngine(accountant, secure_mode).make_private_with_epsilon(...)``."""
     return PrivacyEngine(accountant, secure_mode).make_private_with_epsilon(
         target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, **kwargs)
