@@ -154,3 +154,67 @@ def test_a_report_that_cannot_be_built_warns_and_strict_raises(monkeypatch):
     assert fxmem.report(compiled).graphs == []
     with pytest.raises(Exception, match="injected failure"):
         _train(model, inputs, {"lowering": False, "strict": True})
+
+
+class _Random(torch.nn.Module):
+    """A dropout-like mask and a row shuffle: two ops that draw from the global generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * torch.bernoulli(torch.full_like(h, 0.5))
+        h = h[torch.randperm(h.shape[0])] * torch.arange(h.shape[0])[:, None]  # the order matters
+        return self.b(torch.relu(h)).sum()
+
+
+def _three_steps(model):
+    """Three steps from one seed: each step's loss, gradients and the generator state after it."""
+    torch.manual_seed(123)
+    x = torch.randn(6, 8)
+    steps = []
+    for _ in range(3):
+        loss = model(x)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        steps.append((loss.detach(), grads, torch.get_rng_state()))
+    return steps
+
+
+def _assert_steps_equal(got, want, **tol):
+    for i, ((loss, grads, state), (ref_loss, ref_grads, ref_state)) in enumerate(zip(got, want)):
+        assert torch.equal(state, ref_state), f"step {i + 1}: the generator advanced differently from eager"
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, **tol)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_random_ops_after_a_fallback_draw_eagers_numbers_every_step(stage, monkeypatch):
+    """After a stage falls back, every step (not only the first) draws eager's random numbers
+    and leaves the generator where eager leaves it (eager inner compiler: bit-identical)."""
+    torch.manual_seed(0)
+    model = _Random()
+    want = _three_steps(copy.deepcopy(model))
+    STAGES[stage](monkeypatch)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "lowering": False})
+    with pytest.warns(RuntimeWarning, match="falling back to a safe plan"):
+        got = _three_steps(compiled)
+    _assert_steps_equal(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.inductor
+def test_random_ops_under_default_options_and_fallback_random_match_eager_every_step():
+    """The reported case: default options (Inductor), ``fallback_random``, ``bernoulli`` and
+    ``randperm``: torch 2.13's ``randperm`` index pattern fails Inductor's joint pass, fxmem falls
+    back, and every step must still equal eager (within Inductor's tolerance if it compiles)."""
+    torch.manual_seed(0)
+    model = _Random()
+    want = _three_steps(copy.deepcopy(model))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's (where Inductor fails)
+        got = _three_steps(torch.compile(model, backend="fxmem"))
+    _assert_steps_equal(got, want, rtol=1e-5, atol=1e-6)
