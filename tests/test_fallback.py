@@ -154,3 +154,125 @@ def test_a_report_that_cannot_be_built_warns_and_strict_raises(monkeypatch):
     assert fxmem.report(compiled).graphs == []
     with pytest.raises(Exception, match="injected failure"):
         _train(model, inputs, {"lowering": False, "strict": True})
+
+
+class _Random(torch.nn.Module):
+    """A dropout-like mask and a row shuffle: two ops that draw from the global generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * torch.bernoulli(torch.full_like(h, 0.5))
+        h = h[torch.randperm(h.shape[0])] * torch.arange(h.shape[0])[:, None]  # the order matters
+        return self.b(torch.relu(h)).sum()
+
+
+def _three_steps(model):
+    """Three steps from one seed: each step's loss, gradients and the generator state after it."""
+    torch.manual_seed(123)
+    x = torch.randn(6, 8)
+    steps = []
+    for _ in range(3):
+        loss = model(x)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        steps.append((loss.detach(), grads, torch.get_rng_state()))
+    return steps
+
+
+def _assert_steps_equal(got, want, **tol):
+    for i, ((loss, grads, state), (ref_loss, ref_grads, ref_state)) in enumerate(zip(got, want)):
+        assert torch.equal(state, ref_state), f"step {i + 1}: the generator advanced differently from eager"
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, **tol)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_random_ops_after_a_fallback_draw_eagers_numbers_every_step(stage, monkeypatch):
+    """After a stage falls back, every step (not only the first) draws eager's random numbers
+    and leaves the generator where eager leaves it (eager inner compiler: bit-identical)."""
+    torch.manual_seed(0)
+    model = _Random()
+    want = _three_steps(copy.deepcopy(model))
+    STAGES[stage](monkeypatch)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "lowering": False})
+    with pytest.warns(RuntimeWarning, match="falling back to a safe plan"):
+        got = _three_steps(compiled)
+    _assert_steps_equal(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.inductor
+def test_random_ops_under_default_options_and_fallback_random_match_eager_every_step():
+    """The reported case: default options (Inductor), ``fallback_random``, ``bernoulli`` and
+    ``randperm``: torch 2.13's ``randperm`` index pattern fails Inductor's joint pass, fxmem falls
+    back, and every step must still equal eager (within Inductor's tolerance if it compiles)."""
+    torch.manual_seed(0)
+    model = _Random()
+    want = _three_steps(copy.deepcopy(model))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's (where Inductor fails)
+        got = _three_steps(torch.compile(model, backend="fxmem"))
+    _assert_steps_equal(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _safe_plan_forward(monkeypatch, patches=()):
+    """The forward graph fxmem's partitioner (planning for Inductor) gives for ``_Random``'s step
+    when the plan stage fails: AOTAutograd traces the joint graph (aten's random ops, as under
+    ``fallback_random``), the injected failure sends it to the safe plan. Inductor is not run."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    from fxmem.remat.partition import Partitioner
+    from fxmem.remat.settings import INDUCTOR, PlanSettings
+
+    monkeypatch.setattr(fxmem.remat.partition, "plan", _boom)
+    for module, name, value in patches:
+        monkeypatch.setattr(module, name, value)
+    torch.manual_seed(0)
+    model = _Random()
+    params = dict(model.named_parameters())
+    forwards = []
+
+    def fw_compiler(gm, _):
+        forwards.append(gm)
+        return make_boxed_func(gm)
+
+    fn = lambda x, p: functional_call(model, p, (x,))  # noqa: E731
+    compiled = aot_function(fn, fw_compiler=fw_compiler, bw_compiler=make_boxed_func,
+                            partition_fn=Partitioner(PlanSettings(target=INDUCTOR)))
+    with pytest.warns(RuntimeWarning, match="stage 'plan' failed .*falling back to a safe plan"):
+        torch.manual_seed(1)
+        loss = compiled(torch.randn(6, 8), params)
+    torch.manual_seed(1)
+    want = model(torch.randn(6, 8))
+    (fw,) = forwards
+    return fw, loss, want
+
+
+def test_the_safe_plan_keeps_the_forwards_random_ops_in_order_for_inductor(monkeypatch):
+    """A plan (or split) fallback under Inductor finishes its split as a planned one does: the
+    forward's random ops (``bernoulli``, then ``randperm``) are ordered with ``control_deps``, so
+    Inductor cannot swap their draws under ``fallback_random`` (``remat.fences.random_in_order``)."""
+    from torch._inductor.fx_passes.control_dependencies import control_deps
+
+    fw, loss, want = _safe_plan_forward(monkeypatch)
+    (dep,) = [n for n in fw.graph.nodes if n.op == "call_function" and n.target is control_deps]
+    (before,) = dep.args[0]
+    assert "bernoulli" in str(before.target)
+    sub = getattr(fw, dep.args[1].target)
+    assert [str(n.target) for n in sub.graph.nodes if n.op == "call_function"] == ["aten.randperm.default"]
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)  # run as a graph: eager's draws
+
+
+def test_a_safe_plan_that_cannot_be_finished_runs_as_split(monkeypatch):
+    """Finishing the safe plan's split may fail on the graph that made the stage fail: the
+    fallback then hands the split's own graphs on and raises nothing."""
+    import fxmem.remat.settings
+
+    fw, loss, want = _safe_plan_forward(monkeypatch, [(fxmem.remat.settings, "random_in_order", _boom)])
+    assert "control_deps" not in fw.code
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)

@@ -193,11 +193,20 @@ class Partitioner(CustomPartitionerFn):
         return fw, bw
 
     def _safe(self, gm: fx.GraphModule, num_fwd_outputs: int):
-        """The safe plan: keep every forward value the backward reads (a plain partition)."""
+        """The safe plan: keep every forward value the backward reads (a plain partition), finished
+        for the target as a planned split is (:meth:`~.settings.Target.finish`: under Inductor the
+        forward's random ops stay in graph order, so ``fallback_random`` draws eager's numbers).
+        Where finishing fails too (the graph that made a stage fail may be what it trips on), the
+        split's own graphs are returned: the fallback itself must not raise."""
         unmark(gm)
         joint = JointGraph.of(gm, num_fwd_outputs)
         result = split(joint, joint.default_saved(), self.settings.target.input_views)
-        return result.fw, result.bw
+        try:
+            return self.settings.target.finish(result, self.settings.memory_first)
+        except Exception as e:  # noqa: BLE001 - the safe plan as split, unfinished
+            log.debug("fxmem safe plan: finishing the split failed (%s: %s); its graphs go as split",
+                      type(e).__name__, e)
+            return result.fw, result.bw
 
     def __deepcopy__(self, memo: dict) -> "Partitioner":
         # Inductor deep-copies its config (us included) to hash it; the splits hold fake tensors.
