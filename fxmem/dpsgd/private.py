@@ -96,7 +96,7 @@ class PrivateModule(nn.Module):
         self.max_grad_norm = max_grad_norm
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
-        _, self._trainable, self._frozen = make_functional(module)
+        _, self._trainable, self._frozen = make_functional(module, strict=False)  # validated (strict)
         self._shadow = shadow(module)  # RNNs as their cell loops, every tensor shared (rnn.py)
         self._pairs = list(zip(module.modules(), self._shadow.modules()))
         self._clip_args = dict(microbatch_size=microbatch_size, memory_budget=memory_budget,
