@@ -4,6 +4,7 @@ property; argument errors. Every compile uses the eager inner compiler (Inductor
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.func import grad
 
-from fxmem.dpsgd import PrivacyAccountant, add_noise, clipped_grad, epsilon, make_functional, noise_multiplier_for
+from fxmem.dpsgd import (
+    PrivacyAccountant,
+    UnsupportedModuleError,
+    add_noise,
+    clipped_grad,
+    epsilon,
+    fix,
+    make_functional,
+    noise_multiplier_for,
+)
 
 EAGER = {"inner": "eager"}
 RTOL = 1e-5
@@ -583,6 +593,74 @@ def test_make_functional_swaps_tied_weights_and_follows_a_replaced_submodule():
     assert not torch.equal(fn(new, frozen, ids), fn(trainable, frozen, ids))
     with pytest.raises(AttributeError, match="has no attribute `not`"):  # as functional_call says it
         fn({**new, "not.a.parameter": torch.zeros(1)}, frozen, ids)
+
+
+class _Recurrent(torch.nn.Module):
+    """A plain nn.RNN/GRU/LSTM (2 layers, batch_first) and a linear head on the last step."""
+
+    def __init__(self, cls):
+        super().__init__()
+        self.rnn = cls(3, 4, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("cls", [torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM])
+def test_make_functional_runs_plain_recurrent_layers_as_cell_loops_in_chunks(cls):
+    """Without ``fix()``: the function computes nn.RNN/GRU/LSTM as their cell loops (vmap has no
+    batching rule for the fused RNN/GRU kernels; LSTM's breaks the graph), so ``clipped_grad``
+    runs in chunks of 3 with no "unchunked" warning and its sums equal a per-example loop
+    through the user's own fused module. The module is not changed: same parameters, same
+    state_dict keys, still the fused class."""
+    torch.manual_seed(0)
+    model = _Recurrent(cls)
+    keys, own = list(model.state_dict()), dict(model.named_parameters())
+    fn, trainable, frozen = make_functional(model)
+    assert type(model.rnn) is cls and list(model.state_dict()) == keys
+    assert trainable.keys() == own.keys() and all(trainable[k] is p for k, p in own.items())
+    x, y = torch.randn(7, 5, 3), torch.randint(0, 2, (7,))
+    torch.testing.assert_close(fn(trainable, frozen, x), model(x))
+
+    def loss(tr, fr, x, y):
+        return torch.nn.functional.cross_entropy(fn(tr, fr, x[None]), y[None])
+
+    def fused_loss(tr, fr, x, y):  # the reference: the user's nn.RNN/GRU/LSTM itself
+        out = torch.func.functional_call(model, {**fr, **tr}, (x[None],))
+        return torch.nn.functional.cross_entropy(out, y[None])
+
+    C = round(reference(fused_loss, 1.0, (trainable, frozen, x, y), (2, 3))[1].median().item(), 4)
+    want, want_norms, _ = reference(fused_loss, C, (trainable, frozen, x, y), (2, 3))
+    assert (want_norms > C).any() and (want_norms < C).any()  # some examples clipped, some not
+    step = clipped_grad(loss, C, batch_argnums=(2, 3), microbatch_size=3, options=EAGER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = step(trainable, frozen, x, y)
+    assert not [str(w.message) for w in caught if "unchunked" in str(w.message)]
+    assert step.chosen_microbatch_size() == 3
+    assert_grads_close(grads, want)
+    assert all(p is own[n] for n, p in model.named_parameters())
+
+
+def test_make_functional_refuses_batchnorm_naming_the_module_and_fix():
+    """The validator make_private runs: BatchNorm (batch statistics) is refused with its
+    UnsupportedModuleError naming the module and ``fxmem.dpsgd.fix()``, not a Dynamo error at the
+    first step; the fixed copy (GroupNorm) trains; ``strict=False`` skips the check."""
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 4, 1, bias=False), torch.nn.BatchNorm1d(4), torch.nn.Flatten(),
+                                torch.nn.Linear(12, 2))
+    with pytest.raises(UnsupportedModuleError, match=r"(?s)1: BatchNorm1d.*GroupNorm.*fxmem\.dpsgd\.fix\("):
+        make_functional(model)
+    make_functional(model, strict=False)
+    fn, trainable, frozen = make_functional(fix(model))
+
+    def loss(tr, fr, x, y):
+        return torch.nn.functional.cross_entropy(fn(tr, fr, x[None]), y[None])
+
+    x, y = torch.randn(5, 2, 3), torch.randint(0, 2, (5,))
+    want, _, _ = reference(loss, 0.5, (trainable, frozen, x, y), (2, 3))
+    assert_grads_close(clipped_grad(loss, 0.5, batch_argnums=(2, 3), microbatch_size=3, options=EAGER)(
+        trainable, frozen, x, y), want)
 
 
 # --- noise ------------------------------------------------------------------------------------

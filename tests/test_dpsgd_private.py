@@ -403,3 +403,39 @@ def test_batch_memory_manager_skips_step_noise_and_accounting_inside_a_logical_b
         next(iter(physical))
         assert popt._step_skip_queue  # the loop left early: its signals are dropped on exit
     assert popt._step_skip_queue == []
+
+
+def test_sample_rate_and_epsilon_are_opacus_when_the_batch_size_does_not_divide_the_dataset():
+    """20 examples, ``batch_size=6`` (4 batches an epoch): Opacus' sample rate is
+    ``1 / len(data_loader)`` = 0.25 (not 6 / 20) and its expected batch ``int(20 * 0.25)`` = 5;
+    fxmem's make_private samples, divides and accounts with the same, so the same steps give
+    Opacus' epsilon."""
+    import opacus
+
+    x, y = _data()
+
+    def loader():
+        return DataLoader(TensorDataset(x, y), batch_size=6)
+
+    theirs = _model()
+    o_engine = opacus.PrivacyEngine()
+    o_model, o_opt, o_loader = o_engine.make_private(
+        module=theirs, optimizer=torch.optim.SGD(theirs.parameters(), lr=0.1), data_loader=loader(),
+        noise_multiplier=1.0, max_grad_norm=C)
+    ours = _model()
+    engine = PrivacyEngine()
+    pm, popt, pl = engine.make_private(module=ours, optimizer=torch.optim.SGD(ours.parameters(), lr=0.1),
+                                       data_loader=loader(), noise_multiplier=1.0, max_grad_norm=C,
+                                       microbatch_size=None, options=EAGER)
+    assert popt.sample_rate == 1 / len(o_loader) == o_loader.batch_sampler.sample_rate == 0.25
+    assert pl.batch_sampler.sample_rate == 0.25 and len(pl) == len(o_loader) == 4
+    assert pm.expected_batch_size == popt.expected_batch_size == o_opt.expected_batch_size == 5
+    for _ in range(6):  # the accounting hooks of both optimizers' step(), nothing trained
+        for opt, model in ((o_opt, theirs), (popt, ours)):
+            opt.zero_grad()
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+                p.grad_sample = torch.zeros(1, *p.shape)
+            opt.step()
+    assert o_engine.accountant.history == [(1.0, 0.25, 6)]
+    assert engine.get_epsilon(1e-5) == pytest.approx(o_engine.get_epsilon(1e-5), rel=1e-9)

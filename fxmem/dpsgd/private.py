@@ -96,7 +96,7 @@ class PrivateModule(nn.Module):
         self.max_grad_norm = max_grad_norm
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
-        _, self._trainable, self._frozen = make_functional(module)
+        _, self._trainable, self._frozen = make_functional(module, strict=False)  # validated (strict)
         self._shadow = shadow(module)  # RNNs as their cell loops, every tensor shared (rnn.py)
         self._pairs = list(zip(module.modules(), self._shadow.modules()))
         self._clip_args = dict(microbatch_size=microbatch_size, memory_budget=memory_budget,
@@ -277,6 +277,23 @@ def _shard(loader: DataLoader, rank: int, world: int) -> DataLoader:
                       pin_memory=loader.pin_memory)
 
 
+def _local(loader: DataLoader) -> DataLoader:
+    """The loader this process steps through: the user's, or under torch.distributed this
+    rank's shard of it."""
+    dist = _distributed()
+    return _shard(loader, *dist) if dist else loader
+
+
+def _rates(local: DataLoader, loader: DataLoader) -> tuple[float, int]:
+    """``(sample_rate, expected batch size)`` as Opacus' ``make_private``: ``1 / len(loader)``
+    (one epoch in expectation per pass of the user's loader, whether or not its batch size
+    divides the dataset) and ``int(len(dataset) * sample_rate)``. Under torch.distributed the
+    rank's shard loader gives the rate (each rank samples its shard with it) and the whole
+    dataset the (global) expected batch."""
+    sample_rate = 1 / len(local)
+    return sample_rate, max(1, int(len(loader.dataset) * sample_rate))
+
+
 class PrivacyEngine:
     """Opacus' ``PrivacyEngine``: ``make_private``/``make_private_with_epsilon`` wrap a model,
     optimizer and loader; ``accountant`` (a :class:`PrivacyAccountant`, ``"prv"`` by default as
@@ -321,17 +338,14 @@ class PrivacyEngine:
                                 if p.requires_grad):
             raise ValueError("make_private: the optimizer must step the module's trainable parameters "
                              "(and the module needs at least one)")
-        dist = _distributed()
-        rank, world = dist or (0, 1)
-        local = _shard(data_loader, rank, world) if dist else data_loader
+        local = _local(data_loader)
         generator = noise_generator
         if self.secure_mode:
             generator = secure_generator(next(module.parameters()).device)
-        expected = data_loader.batch_size * world
-        sample_rate = data_loader.batch_size / len(local.dataset)
+        sample_rate, expected = _rates(local, data_loader)
         if poisson_sampling:
             sampler_gen = secure_generator() if self.secure_mode else None
-            local = poisson_loader(local, steps=len(local), generator=sampler_gen)
+            local = poisson_loader(local, sample_rate=sample_rate, steps=len(local), generator=sampler_gen)
         private = PrivateModule(module, C, expected, loss_reduction, microbatch_size, memory_budget, options)
         dp_opt = DPOptimizer(optimizer, private, sigma, sample_rate, self.accountant, generator, self.secure_mode)
         self.optimizers.append(dp_opt)
@@ -345,9 +359,9 @@ class PrivacyEngine:
             raise ValueError(f"make_private_with_epsilon: epochs must be a positive int, got {epochs!r}")
         if not isinstance(data_loader, DataLoader) or not data_loader.batch_size:
             raise ValueError("make_private_with_epsilon: data_loader must be a torch DataLoader with a batch_size")
-        q = data_loader.batch_size / len(data_loader.dataset)
-        sigma = noise_multiplier_for(target_epsilon, target_delta, q, epochs * len(data_loader),
-                                     accountant=self.accountant.accountant)
+        local = _local(data_loader)
+        sigma = noise_multiplier_for(target_epsilon, target_delta, _rates(local, data_loader)[0],
+                                     epochs * len(local), accountant=self.accountant.accountant)
         return self.make_private(data_loader=data_loader, noise_multiplier=sigma, **kwargs)
 
     def get_epsilon(self, delta: float) -> float:

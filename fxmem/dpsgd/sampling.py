@@ -59,31 +59,36 @@ def _empty_safe(collate: Callable, dataset: Dataset) -> Callable:
 
 def poisson_loader(data: Dataset | DataLoader, expected_batch_size: int | None = None, *,
                    steps: int | None = None, generator: torch.Generator | None = None,
-                   **loader_kwargs: Any) -> DataLoader:
+                   sample_rate: float | None = None, **loader_kwargs: Any) -> DataLoader:
     """A ``DataLoader`` over ``data`` (a map-style dataset, or a user's ``DataLoader``, whose
     dataset, collate function, workers and pin_memory it keeps) whose batches are Poisson
-    samples of expected size ``expected_batch_size`` (default: the user loader's batch_size).
+    samples of expected size ``expected_batch_size`` (default: the user loader's batch_size),
+    or with probability ``sample_rate`` per example (instead of ``expected_batch_size``).
     Its ``batch_sampler`` is the :class:`PoissonSampler`; ``sample_rate`` is on it."""
+    if sample_rate is not None and expected_batch_size is not None:
+        raise ValueError("poisson_loader: give expected_batch_size or sample_rate, not both")
     if isinstance(data, DataLoader):
         src = data
         dataset = src.dataset
-        if expected_batch_size is None:
+        if expected_batch_size is None and sample_rate is None:
             expected_batch_size = src.batch_size
         loader_kwargs = dict(num_workers=src.num_workers, pin_memory=src.pin_memory,
                              collate_fn=src.collate_fn, **loader_kwargs)
     else:
         dataset = data
-    if expected_batch_size is None:
+    if expected_batch_size is None and sample_rate is None:
         raise ValueError("poisson_loader: expected_batch_size is needed (a DataLoader without "
                          "batch_size, or a dataset, has none)")
     try:
         n = len(dataset)
     except TypeError:
         raise ValueError("poisson_loader: the dataset must have a length (a map-style dataset)") from None
-    if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or \
-            not 0 < expected_batch_size <= n:
-        raise ValueError(f"poisson_loader: expected_batch_size must be an int in [1, {n}] (the dataset's "
-                         f"size), got {expected_batch_size!r}")
-    sampler = PoissonSampler(n, expected_batch_size / n, steps, generator)
+    if sample_rate is None:
+        if isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or \
+                not 0 < expected_batch_size <= n:
+            raise ValueError(f"poisson_loader: expected_batch_size must be an int in [1, {n}] (the dataset's "
+                             f"size), got {expected_batch_size!r}")
+        sample_rate = expected_batch_size / n
+    sampler = PoissonSampler(n, sample_rate, steps, generator)  # checks sample_rate
     collate = loader_kwargs.pop("collate_fn", None) or default_collate
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=_empty_safe(collate, dataset), **loader_kwargs)

@@ -57,7 +57,8 @@ def validate(module: nn.Module, raise_errors: bool = False) -> list[UnsupportedM
               for name, sub in module.named_modules() if (why := _problem(sub)) is not None]
     if errors and raise_errors:
         raise UnsupportedModuleError("fxmem.dpsgd: the module cannot be trained with DP-SGD as it is:\n"
-                                     + "\n".join(f"  {e}" for e in errors))
+                                     + "\n".join(f"  {e}" for e in errors)
+                                     + "\nfxmem.dpsgd.fix(module) returns a copy with these fixed")
     return errors
 
 
