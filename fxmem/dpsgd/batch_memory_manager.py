@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
+import numpy
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 from .private import DPOptimizer
@@ -33,17 +34,8 @@ __all__ = ["BatchMemoryManager", "BatchSplittingSampler", "wrap_data_loader"]
 
 
 def _split(indices: list[int], max_batch_size: int) -> list[list[int]]:
-    """``indices`` in ``ceil(n / max_batch_size)`` pieces, the first ``n % pieces`` one longer
-    (``numpy.array_split``'s sizes, Opacus' cut)."""
-    n = len(indices)
-    pieces = math.ceil(n / max_batch_size)
-    size, longer = divmod(n, pieces)
-    out, start = [], 0
-    for k in range(pieces):
-        end = start + size + (k < longer)
-        out.append(list(indices[start:end]))
-        start = end
-    return out
+    """``indices`` in ``ceil(n / max_batch_size)`` near-equal pieces (Opacus' cut)."""
+    return [piece.tolist() for piece in numpy.array_split(indices, math.ceil(len(indices) / max_batch_size))]
 
 
 class BatchSplittingSampler(Sampler[list[int]]):

@@ -222,13 +222,8 @@ class DPOptimizer:
         batch (a queue: loader workers run ahead of the loop)."""
         self._step_skip_queue.append(bool(do_skip))
 
-    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
-        if not self._step_skip_queue:
-            return False
-        return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
-
     def step(self, closure=None):
-        if self._check_skip_next_step():  # a physical batch inside a logical one: keep accumulating
+        if self._step_skip_queue and self._step_skip_queue.pop(0):  # a physical batch inside a logical one
             if closure is not None:
                 with torch.enable_grad():
                     closure()

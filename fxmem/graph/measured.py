@@ -116,13 +116,14 @@ def known() -> dict[str, int]:
     measures (a cache of machine facts, not of compile results: the same for every compile)."""
     path = measurements.cache_file()
     found = measurements.read(path)
-    bad = {k: v for k, v in found.items() if v > (plausible_max(k) or v)}
+    limits = {k: plausible_max(k) for k in found}
+    bad = [k for k, v in found.items() if limits[k] is not None and v > limits[k]]
     if bad:
-        key, value = next(iter(bad.items()))
+        key = bad[0]
         log.warning("fxmem: ignoring %d implausible entr%s of the kernel measurement cache %s (e.g. %d bytes "
                     "of temporaries for an aten.%s call; allowed: at most %d, %dx its tensors' bytes + %d MiB); "
-                    "measured again", len(bad), "y" if len(bad) == 1 else "ies", path, value,
-                    json.loads(key)[2]["op"], plausible_max(key), PLAUSIBLE_RATIO, PLAUSIBLE_SLACK >> 20)
+                    "measured again", len(bad), "y" if len(bad) == 1 else "ies", path, found[key],
+                    json.loads(key)[2]["op"], limits[key], PLAUSIBLE_RATIO, PLAUSIBLE_SLACK >> 20)
     return {k: v for k, v in found.items() if k not in bad}
 
 
