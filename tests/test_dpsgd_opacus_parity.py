@@ -147,6 +147,14 @@ def test_opacus_arguments_fxmem_refuses_are_named(kwargs, error, message):
         make_private(**{**args, **kwargs})
 
 
+def test_a_noise_generator_in_secure_mode_is_refused_as_opacus_refuses_it():
+    model = _model()
+    with pytest.raises(ValueError, match=r"noise_generator cannot be given in secure mode"):
+        make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=_loader(),
+                     noise_multiplier=1.0, max_grad_norm=1.0, secure_mode=True,
+                     noise_generator=torch.Generator().manual_seed(0))
+
+
 def test_per_layer_needs_a_bound_for_every_trainable_parameter():
     model = _model()
     optimizer = torch.optim.SGD(list(model.parameters())[:4], lr=0.1)

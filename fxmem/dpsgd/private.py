@@ -479,6 +479,9 @@ class PrivacyEngine:
                              "(and the module needs at least one)")
         if clipping == "per_layer":
             C = _per_layer_bounds(max_grad_norm, module, optimizer)
+        if noise_generator is not None and self.secure_mode:  # Opacus' own refusal: a seeded noise is guessable
+            raise ValueError("make_private: noise_generator cannot be given in secure mode (its noise comes from "
+                             "the OS CSPRNG; Opacus: 'Passing seed is prohibited in secure mode')")
         local = _local(data_loader)
         generator = noise_generator
         if self.secure_mode:
