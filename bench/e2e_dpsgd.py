@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from dpsgd_models import GPT, BertClassifier, Logits  # noqa: E402
 
-import fxmem.backend  # noqa: E402
+import fxmem.per_example.stage  # noqa: E402
 from fxmem.dpsgd import DPSGD, PoissonSampler, PrivacyAccountant, add_noise, make_functional, make_private  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
@@ -270,13 +270,13 @@ def run(args) -> tuple[list[dict], dict]:
         f"fxmem make_private m={m}, physical {m}": FxmemPrivate(fresh(), data, batches, B, m, args.inner, m),
     }
     chunk_compiles = {"n": 0}
-    real = fxmem.backend._compile_chunk
+    real = fxmem.per_example.stage.compile_chunk
 
     def counting(*a, **k):
         chunk_compiles["n"] += 1
         return real(*a, **k)
 
-    fxmem.backend._compile_chunk = counting
+    fxmem.per_example.stage.compile_chunk = counting
     rows = {name: dict(variant=name, times=[], peaks=[], losses=[], compiles=0, first_step_s=None)
             for name in variants}
     try:
@@ -300,7 +300,7 @@ def run(args) -> tuple[list[dict], dict]:
                 f"{n} {(rows[n]['peaks'] or [0])[-1] / MIB:.1f} MiB" if profiled else n for n in variants),
                 flush=True)
     finally:
-        fxmem.backend._compile_chunk = real
+        fxmem.per_example.stage.compile_chunk = real
     for name, v in variants.items():
         r = rows[name]
         r["time_s"] = statistics.median(r["times"])

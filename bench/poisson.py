@@ -28,7 +28,7 @@ import common  # noqa: E402
 from dpsgd_models import gpt, per_example_loss  # noqa: E402
 
 import fxmem  # noqa: E402
-import fxmem.backend  # noqa: E402
+import fxmem.per_example.stage  # noqa: E402
 from fxmem.dpsgd import clipped_grad  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
@@ -75,13 +75,13 @@ def run(args) -> tuple[list[dict], dict]:
     model, params, _, _ = gpt(shape["vocab"], shape["d"], shape["layers"], shape["heads"], shape["seq"], 1)
     loss = per_example_loss(model)
     chunk_compiles = []
-    real = fxmem.backend._compile_chunk
+    real = fxmem.per_example.stage.compile_chunk
 
     def counting(*a, **k):
         chunk_compiles.append(1)
         return real(*a, **k)
 
-    fxmem.backend._compile_chunk = counting
+    fxmem.per_example.stage.compile_chunk = counting
     fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=m, options={"inner": args.inner})
     graphs0 = counters["stats"]["unique_graphs"]
     g = torch.Generator().manual_seed(1)
@@ -101,7 +101,7 @@ def run(args) -> tuple[list[dict], dict]:
               f"{row['peak_bytes'] / MIB:.2f} MiB  call {row['call_s']:.2f} s", flush=True)
     graphs = counters["stats"]["unique_graphs"] - graphs0
     n_chunk = len(chunk_compiles)
-    fxmem.backend._compile_chunk = real
+    fxmem.per_example.stage.compile_chunk = real
     biggest = max(batches)
     whole = clipped_grad(loss, C, batch_argnums=(1, 2), options={"inner": args.inner})
     ids = torch.randint(0, shape["vocab"], (biggest, shape["seq"]), generator=g)

@@ -9,9 +9,9 @@ run inside :class:`~fxmem.remat.partition.Partitioner`, a thin adapter that call
 functions in order (where the lowering left matches to compare, it plans the joint graph with and
 without them, from the one trace, and splits the one of lower peak). The options are resolved
 once and flow down unchanged; each stage gets the settings derived from them
-(:class:`~fxmem.remat.settings.PlanSettings` for the planner). A per-example region's chunk
-graphs take the same path from lowering on (:func:`_compile_chunk`), when the chunked step first
-runs at a size. Each stage logs one INFO line (``TORCH_LOGS=fxmem``) with its time.
+(:class:`~fxmem.remat.settings.PlanSettings` for the planner). The per-example stage
+(:class:`~fxmem.per_example.stage.PerExampleStage`) compiles a region's chunk graphs itself, on
+the same path from lowering on, when the chunked step first runs at a size. Each stage logs one INFO line (``TORCH_LOGS=fxmem``) with its time.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -54,7 +53,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
     settings = PlanSettings.of(opts, fit_budget=fit.peak_budget(opts, state),  # the planner's, "fit" derived
                                plan_shape=plan_shape)
     with _stage("per-example"):
-        chunked = _per_example(gm, example_inputs, comp)                          # per-example regions
+        chunked = per_example.PerExampleStage(comp)(gm, example_inputs)          # per-example regions
     if chunked is not None:
         return Compiled(chunked, comp)
     try:
@@ -116,58 +115,6 @@ def _options(options: Mapping[str, Any] | Options | None, kwargs: Mapping[str, A
         return resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
-
-
-def _per_example(gm: fx.GraphModule, example_inputs: list[Any], comp: Compilation) -> Callable | None:
-    """The chunked step when the graph has a per-example region to chunk, else None."""
-    opts = comp.options
-    chunk_lowering = _chunk_lowering(opts)
-
-    def compile_chunk(g: fx.GraphModule, ins: list, measure: bool = False) -> Callable:
-        return _compile_chunk(g, ins, comp, chunk_lowering, "eager" if measure else opts.inner, opts.ghost_clipping)
-
-    def decided(plan: per_example.ChunkPlan) -> None:
-        comp.chunk_plan = plan
-
-    try:
-        chunked = per_example.compile_chunked(gm, example_inputs, opts, compile_chunk, decided)
-    except Exception as e:  # noqa: BLE001 - the failure policy decides
-        stage_failed("per_example", e, opts)
-        return None
-    log.debug("fxmem per-example: %s", "the graph runs in chunks" if chunked else "nothing to chunk")
-    return chunked
-
-
-def _compile_chunk(gm: fx.GraphModule, example_inputs: list, comp: Compilation,
-                   chunk_lowering: bool | Mapping[str, bool], inner_name: str, ghost: bool) -> Callable:
-    """A per-example chunk graph: lowering, then AOTAutograd's flat graph with ghost norms
-    (``ghost``) and the recompute plan of its inner backward, the inner compiler, the record.
-    In a chunked graph ``memory_budget`` caps the whole step (it chooses the microbatch size), so
-    the inner planner gets the level and rules only. Where a ghost norm cannot serve a call, the
-    chunk is compiled again without ghost norms."""
-    gm, lowered = lowering.lower(gm, example_inputs, chunk_lowering)
-    partitioner = Partitioner(PlanSettings.of(comp.options, inner=inner_name, budgets=False,
-                                              plan_shape=comp.plan_shape))
-    ghost_pass = per_example.Ghost(comp.options if ghost else None, gm)  # None: ghost clipping off
-    compiled = inner.compile_flat(gm, example_inputs, inner_name, lambda g: per_example.plan_flat(g, partitioner),
-                                  rewrite=ghost_pass if ghost_pass.enabled else None,
-                                  config=comp.options.inductor_config())
-    if ghost_pass.decisions and comp.chunk_plan is not None:
-        comp.chunk_plan.ghost = ghost_pass.decisions
-    publish(comp, partitioner.planned, lowered)
-    materialized = lambda ins: _compile_chunk(gm, ins, comp, chunk_lowering, inner_name, False)  # noqa: E731
-    return ghost_pass.guard(compiled, materialized)
-
-
-def _chunk_lowering(opts: Options) -> bool | Mapping[str, bool]:
-    """The lowering of a per-example chunk graph: with ghost clipping, the fused cross-entropy
-    computes the output projection's per-example weight gradient itself, so it would be
-    materialized instead of getting a ghost norm; the pattern is lowered there only when asked
-    for (``lowering=True``, or the dict names it), not by a dict that leaves it out (the default)."""
-    name = "fused_linear_cross_entropy"
-    if not opts.ghost_clipping or isinstance(opts.lowering, bool) or name in opts.lowering:
-        return opts.lowering
-    return MappingProxyType({**opts.lowering, name: False})
 
 
 def _compile_id():

@@ -112,14 +112,14 @@ def test_poisson_batches_run_on_one_compile_and_match_the_loop(monkeypatch):
     is the microbatch's, not the batch's."""
     from torch._dynamo.utils import counters
 
-    import fxmem.backend
+    import fxmem.per_example.stage
     from fxmem.profiling import step_perf
 
     model, params, _, _ = models.gpt(vocab=32, d=8, layers=1, heads=2, seq=4, batch=1)
     loss = models.per_example_loss(model)
     chunk_compiles = []
-    real = fxmem.backend._compile_chunk
-    monkeypatch.setattr(fxmem.backend, "_compile_chunk",
+    real = fxmem.per_example.stage.compile_chunk
+    monkeypatch.setattr(fxmem.per_example.stage, "compile_chunk",
                         lambda *a, **k: chunk_compiles.append(a[1]) or real(*a, **k))
     C, m = 0.05, 8
     fn = clipped_grad(loss, C, batch_argnums=(1, 2), microbatch_size=m, return_norms=True, options=EAGER)
@@ -362,7 +362,7 @@ def test_the_clipping_epilogue_is_one_node_in_dynamos_graph(tiny_gpt, monkeypatc
     a second of the README block's first call): after the vmap region the graph holds that call
     and its outputs, no per-leaf norm or sum; the per-example pass takes every sum as a matvec,
     and the sums and norms are the loop's."""
-    import fxmem.per_example as per_example
+    import fxmem.per_example.stage as per_example
     from fxmem.per_example.clip import clip_and_sum
 
     graphs = []

@@ -9,7 +9,7 @@ from torch.func import functional_call, grad, vmap
 
 import fxmem
 import fxmem.inner
-import fxmem.per_example
+import fxmem.per_example.stage
 import fxmem.remat.partition
 from fxmem.testing import ModelSpec, assert_same_training_step, build
 
@@ -78,7 +78,7 @@ def test_strict_raises_the_stage_error(stage, monkeypatch):
 
 
 def test_failing_per_example_stage_runs_unchunked(monkeypatch):
-    monkeypatch.setattr(fxmem.per_example, "split_region", _boom)
+    monkeypatch.setattr(fxmem.per_example.stage, "split_region", _boom)
     model = torch.nn.Linear(4, 3)
     params = {k: v.detach() for k, v in model.named_parameters()}
 

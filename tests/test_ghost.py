@@ -218,7 +218,7 @@ def test_chunk_graphs_fuse_the_loss_only_when_it_is_asked_for():
     """With ghost clipping, a per-example chunk's fused cross-entropy would materialize the output
     projection's per-example weight gradient: a lowering dict that leaves the pattern out (the
     default) leaves it unfused there; lowering=True or naming it fuses it."""
-    from fxmem.backend import _chunk_lowering
+    from fxmem.per_example.stage import chunk_lowering as _chunk_lowering
     from fxmem.options import resolve
 
     lce = "fused_linear_cross_entropy"

@@ -1,5 +1,6 @@
-"""Run a split per-example graph: the outer graph once, the chunk graph over the batch in
-microbatches (``microbatch.py``: sums accumulated in fp32), the rest once.
+"""Run a split per-example graph (the stage's step, ``stage.py``): the outer graph once, the
+chunk graph over the batch in microbatches (``microbatch.py``: sums accumulated in fp32), the
+rest once.
 ``microbatch_size="auto"`` measures whole steps' peaks (exact) at the sizes ``microbatch.choose``
 asks for and takes the largest m that fits the budget."""
 from __future__ import annotations
