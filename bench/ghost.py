@@ -9,7 +9,7 @@ no weight tying), batch 32, sequence 64, C = 1, the full batch in one chunk, sid
 process:
 
 - fxmem ghost: ``fxmem.dpsgd.clipped_grad(..., microbatch_size=32)`` (ghost clipping is on by
-  default: ghost norms + book-keeping for the linear and embedding weights, fxmem/per_example/ghost.py);
+  default: ghost norms + book-keeping for the linear and embedding weights, fxmem/per_example/ghost/);
 - fxmem materialized: the same with ``options={"ghost_clipping": False}`` ([m, *param] per-example
   gradients, clipped and summed by matvecs);
 - non-private: one ordinary training step of the same model and batch (``loss.backward()``, eager);

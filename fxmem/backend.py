@@ -11,7 +11,8 @@ without them, from the one trace, and splits the one of lower peak). The options
 once and flow down unchanged; each stage gets the settings derived from them
 (:class:`~fxmem.remat.settings.PlanSettings` for the planner). The per-example stage
 (:class:`~fxmem.per_example.stage.PerExampleStage`) compiles a region's chunk graphs itself, on
-the same path from lowering on, when the chunked step first runs at a size. Each stage logs one INFO line (``TORCH_LOGS=fxmem``) with its time.
+the same path from lowering on, when the chunked step first runs at a size. Each stage logs one
+INFO line (``TORCH_LOGS=fxmem``) with its time.
 """
 
 from __future__ import annotations

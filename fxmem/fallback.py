@@ -20,9 +20,13 @@ _NOT_FAILURES = (OptionError, RestartAnalysis, SkipFrame)
 
 log = logging.getLogger("fxmem")
 
-STAGES = ("per_example", "lowering", "plan", "split", "compile", "report")
-_SAFE_PLAN = "falling back to a safe plan for this graph (save everything, no lowering, no chunking)"
-_INSTEAD = {"report": "the compile goes on without this graph's report"}  # what the others do instead
+STAGES = ("per_example", "ghost", "lowering", "plan", "split", "compile", "report")
+# what the caller does instead: in the log, and (short) in the warning
+_SAFE_PLAN = ("falling back to a safe plan for this graph (save everything, no lowering, no chunking)",
+              "falling back to a safe plan")
+_INSTEAD = {"report": ("the compile goes on without this graph's report",) * 2,
+            "ghost": ("this chunk graph's per-example gradients stay materialized (no ghost norms)",
+                      "no ghost norms for this chunk graph")}
 
 
 def is_failure(error: BaseException) -> bool:
@@ -42,9 +46,8 @@ def stage_failed(stage: str, error: BaseException, options) -> None:
     if options.strict or not is_failure(error):
         raise error
     why = reason(error)
-    msg = (f"fxmem: stage {stage!r} failed ({type(error).__name__}: {why}); {_INSTEAD.get(stage, _SAFE_PLAN)}. "
-           "Pass options={'strict': True} to raise instead.")
-    log.warning("%s", msg)
-    instead = "the compile goes on without this graph's report" if stage == "report" else "falling back to a safe plan"
-    warn(f"fxmem: stage {stage!r} failed ({type(error).__name__}: {brief(why, 60)}); {instead} "
+    instead, short = _INSTEAD.get(stage, _SAFE_PLAN)
+    log.warning("fxmem: stage %r failed (%s: %s); %s. Pass options={'strict': True} to raise instead.",
+                stage, type(error).__name__, why, instead)
+    warn(f"fxmem: stage {stage!r} failed ({type(error).__name__}: {brief(why, 60)}); {short} "
          "(strict=True raises)", RuntimeWarning)

@@ -218,8 +218,8 @@ def test_chunk_graphs_fuse_the_loss_only_when_it_is_asked_for():
     """With ghost clipping, a per-example chunk's fused cross-entropy would materialize the output
     projection's per-example weight gradient: a lowering dict that leaves the pattern out (the
     default) leaves it unfused there; lowering=True or naming it fuses it."""
-    from fxmem.per_example.stage import chunk_lowering as _chunk_lowering
     from fxmem.options import resolve
+    from fxmem.per_example.stage import chunk_lowering as _chunk_lowering
 
     lce = "fused_linear_cross_entropy"
     assert dict(_chunk_lowering(resolve({}, env={}))) == {"dropout": False, lce: False}
@@ -243,3 +243,43 @@ def test_all_finite_catches_every_non_finite_output():
     assert not _all_finite([both])
     # half precision: summed in float32, so a large finite tensor does not overflow into a fallback
     assert _all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])
+
+
+# --- a ghost rewrite that fails: the failure policy ----------------------------------------------
+
+
+def _linear_step(options):
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(4, 8), nn.Linear(8, 3)
+    params = {"w1": lin1.weight.detach(), "b1": lin1.bias.detach(), "w2": lin2.weight.detach()}
+
+    def loss(p, x):
+        h = torch.tanh(x @ p["w1"].t() + p["b1"])   # [T, 8]
+        return (h @ p["w2"].t()).square().mean()
+
+    return loss, params, torch.randn(5, 2, 4), clipped_grad(loss, 0.1, microbatch_size=3, options=options)
+
+
+def test_a_failing_ghost_rewrite_raises_under_strict_and_else_warns_once_and_materializes(monkeypatch):
+    """A ghost rewrite that raises is a stage failure (``fxmem/fallback.py``, stage "ghost"): under
+    ``strict`` its error reaches the caller; otherwise one RuntimeWarning naming the stage, and
+    the chunk runs with materialized per-example gradients: the loop's sums, no ghost decision."""
+    import fxmem.per_example.ghost.hook as hook
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected ghost failure")
+
+    monkeypatch.setattr(hook, "rewrite", boom)
+    loss, params, x, strict = _linear_step({**_opts(), "strict": True})
+    with pytest.raises(RuntimeError, match="injected ghost failure"):
+        strict(params, x)
+    loss, params, x, step = _linear_step(_opts())
+    with pytest.warns(RuntimeWarning) as caught:
+        got = step(params, x)
+    failed = [str(w.message) for w in caught if "stage 'ghost' failed" in str(w.message)]
+    assert len(failed) == 1 and "injected ghost failure" in failed[0] and "no ghost norms" in failed[0], \
+        [str(w.message) for w in caught]
+    assert not [w for w in caught if "unchunked" in str(w.message)]
+    assert step.chosen_microbatch_size() == 3 and step.plans[-1].ghost == []
+    want, _ = reference(loss, 0.1, (params, x), (1,))
+    assert_close(got, want)

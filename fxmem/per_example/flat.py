@@ -18,9 +18,8 @@ import torch.utils._pytree as pytree
 
 from ..graph.module import graph_module
 from ..remat.partition import Partitioner
-from .ghost import Pass as Ghost
 
-__all__ = ["Ghost", "find_seed", "plan_flat"]
+__all__ = ["find_seed", "plan_flat"]
 
 aten = torch.ops.aten
 

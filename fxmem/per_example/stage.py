@@ -31,7 +31,7 @@ from ..report.publish import publish
 from ..warn import warn
 from .chunk import split_region
 from .flat import plan_flat
-from .ghost import Pass as Ghost
+from .ghost import Pass as GhostPass
 from .microbatch import auto_budget
 from .regions import Unsupported, find_regions
 from .run import ChunkedStep, ChunkPlan
@@ -87,7 +87,7 @@ def compile_chunk(gm: fx.GraphModule, example_inputs: list, compiler: ChunkCompi
     gm, lowered = lowering.lower(gm, example_inputs, compiler.lowering)
     partitioner = Partitioner(PlanSettings.of(record.options, inner=inner_name, budgets=False,
                                               plan_shape=record.plan_shape))
-    ghost_pass = Ghost(record.options if ghost else None, gm)  # None: ghost clipping off
+    ghost_pass = GhostPass(record.options if ghost else None, gm)  # None: ghost clipping off
     compiled = inner.compile_flat(gm, example_inputs, inner_name, lambda g: plan_flat(g, partitioner),
                                   rewrite=ghost_pass if ghost_pass.enabled else None,
                                   config=record.options.inductor_config())

@@ -188,7 +188,7 @@ def per_example_lines(plans: list[dict]) -> list[str]:
 
 
 def ghost_lines(decisions: list[dict]) -> list[str]:
-    """Ghost clipping per per-example weight gradient (fxmem/per_example/ghost.py): ghost norm +
+    """Ghost clipping per per-example weight gradient (fxmem/per_example/ghost/): ghost norm +
     book-kept sum, or materialized, and why."""
     if not decisions:
         return []
