@@ -249,13 +249,12 @@ def test_all_finite_catches_every_non_finite_output():
 
 
 def _linear_step(options):
+    """One linear layer on 2 tokens per example: a ghost norm (2*T^2 = 8 <= P*Q = 12)."""
     torch.manual_seed(0)
-    lin1, lin2 = nn.Linear(4, 8), nn.Linear(8, 3)
-    params = {"w1": lin1.weight.detach(), "b1": lin1.bias.detach(), "w2": lin2.weight.detach()}
+    params = {"w": torch.randn(3, 4)}
 
     def loss(p, x):
-        h = torch.tanh(x @ p["w1"].t() + p["b1"])   # [T, 8]
-        return (h @ p["w2"].t()).square().mean()
+        return (x @ p["w"].t()).square().mean()
 
     return loss, params, torch.randn(5, 2, 4), clipped_grad(loss, 0.1, microbatch_size=3, options=options)
 
@@ -283,3 +282,7 @@ def test_a_failing_ghost_rewrite_raises_under_strict_and_else_warns_once_and_mat
     assert step.chosen_microbatch_size() == 3 and step.plans[-1].ghost == []
     want, _ = reference(loss, 0.1, (params, x), (1,))
     assert_close(got, want)
+    monkeypatch.undo()  # the same step with a working rewrite: a ghost norm, the same sums
+    loss, params, x, ghost = _linear_step(_opts())
+    assert_close(ghost(params, x), want)
+    assert [d.choice for d in ghost.plans[-1].ghost] == ["ghost"]
