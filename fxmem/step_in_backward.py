@@ -1,0 +1,345 @@
+"""``options={"step_in_backward": optimizer}``: each parameter's optimizer step runs inside the
+compiled backward as soon as its gradient is final, and the gradient dies there.
+
+A compiled backward returns every parameter gradient at once, so at its end all of them are
+alive (as many bytes as the weights); an optimizer step in a post-accumulate-grad hook cannot
+help there. fxmem rewrites the backward graph instead (:func:`rewrite`): each gradient that the
+graph returns for a parameter of ``optimizer`` is handed to ``fxmem::step_in_backward`` where it
+is computed, after the last read of that parameter (or of a view of it) in the backward, and the
+graph returns None in its place. The op looks the parameter up by a key baked into the graph
+(:class:`InBackward` owns the table) and runs the optimizer's own step function on that one
+parameter, with its group's hyperparameters as they are now (LR schedulers work), its state in
+``optimizer.state`` (``state_dict()`` saves and restores it), and its gradient then dropped.
+For every optimizer whose update of a parameter reads only that parameter's gradient and state
+(SGD, Adam, AdamW and the other per-parameter ones in :data:`SUPPORTED`) this is the step a full
+backward then ``optimizer.step()`` would take: the same function on the same numbers.
+
+What a graph cannot finish (a parameter that another compiled graph or plain PyTorch code also
+reads, a graph that fell back to the safe plan) goes through autograd as usual: the gradient is
+accumulated in ``.grad`` (a post-accumulate-grad hook, or the op itself for a parameter two
+graphs share) and the parameter is updated when the backward ends
+(``queue_callback``), from its whole gradient. Only a contribution from plain PyTorch code to a
+parameter whose update already ran cannot be repaired: that raises.
+
+The user's loop is ``loss.backward()`` (then the scheduler's ``step()``): ``optimizer.step()``
+is a no-op after it (one warning), and ``zero_grad()`` finds no gradient to clear. What needs every
+gradient before any update cannot work in one pass and raises: a closure, gradient accumulation
+(``step()`` after several backwards).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+log = logging.getLogger("fxmem")
+
+# torch.optim optimizers whose update of a parameter reads only its own gradient and state
+SUPPORTED = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+    if hasattr(torch.optim, n))
+
+
+class StepInBackwardError(RuntimeError):
+    """What ``step_in_backward`` cannot do, named with the alternative."""
+
+
+def check_optimizer(value: Any, key: str = "step_in_backward") -> "InBackward | None":
+    """The option's value: None, or a supported ``torch.optim`` optimizer (its :class:`InBackward`)."""
+    if value is None or isinstance(value, InBackward):
+        return value
+    names = ", ".join(c.__name__ for c in SUPPORTED)
+    if not isinstance(value, torch.optim.Optimizer):
+        raise ValueError(f"option {key!r}: got {value!r}; allowed: None or a torch.optim optimizer over the "
+                         f"compiled module's parameters ({names})")
+    if type(value) not in SUPPORTED:
+        raise ValueError(f"option {key!r}: got a {type(value).__name__}; allowed: {names} (optimizers whose update "
+                         "of a parameter reads only that parameter's gradient and state). Leave the option out "
+                         "and call optimizer.step() after backward() instead")
+    return InBackward.of(value)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One parameter under ``step_in_backward``: where its gradient goes."""
+    owner: "InBackward"
+    param: Tensor
+    name: str
+    frames: set = field(default_factory=set)  # Dynamo frames whose compiled graphs update it
+    shared: bool = False  # two frames' graphs read it: accumulated, updated when the backward ends
+    updated: int = 0  # updates since the user's last optimizer.step() (gradient accumulation)
+    in_graph: bool = False  # updated by a graph's op this backward (a later .grad means another use)
+
+
+_SLOTS: list[_Slot] = []  # the op's key -> its slot (keys are baked into compiled graphs)
+
+
+class InBackward:
+    """The runtime of ``step_in_backward`` for one optimizer: its parameters' slots, the update
+    of one parameter, the end-of-backward pass for the gradients autograd accumulated, and the
+    user's ``optimizer.step()`` made a no-op. One per optimizer (:meth:`of`)."""
+
+    _by_optimizer: "weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._step = _raw_step(optimizer)
+        self._slots: dict[int, int] = {}  # id(param) -> key
+        self._queued = False
+        self._warned = False
+        self._user_stepped = False  # optimizer.step() was called since the option was given
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._key(p)
+        _wrap_user_step(self)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> "InBackward":
+        found = cls._by_optimizer.get(optimizer)
+        if found is None:
+            found = cls._by_optimizer[optimizer] = cls(optimizer)
+        return found
+
+    def __repr__(self) -> str:  # stable: goes into the report's options
+        return f"InBackward({type(self.optimizer).__name__})"
+
+    def _key(self, p: Tensor) -> int:
+        key = self._slots.get(id(p))
+        if key is None or _SLOTS[key].param is not p:
+            key = self._slots[id(p)] = len(_SLOTS)
+            _SLOTS.append(_Slot(self, p, _param_name(self.optimizer, p)))
+            p.register_post_accumulate_grad_hook(self._accumulated)
+        return key
+
+    def keys(self, inputs: Sequence[Any], frame: Any) -> dict[int, int]:
+        """Graph input index -> key, for the inputs that are this optimizer's parameters, claimed
+        for ``frame`` (Dynamo's frame id: recompiles of one frame replace each other, graphs of
+        two frames run in one step, so a parameter two frames read is ``shared``)."""
+        mine = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        out = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, Tensor) and id(t) in mine and t.requires_grad:
+                key = self._key(t)
+                slot = _SLOTS[key]
+                slot.frames.add(frame)
+                if len(slot.frames) > 1 and not slot.shared:
+                    slot.shared = True
+                    log.info("fxmem step_in_backward: %s is read by two compiled graphs (a graph break); its "
+                             "update runs when the backward ends", slot.name)
+                out[i] = key
+        return out
+
+    def update(self, slot: _Slot, grad: Tensor) -> None:
+        """The optimizer's step on ``slot``'s parameter alone, with ``grad`` as its gradient
+        (its group's hyperparameters as they are now); the gradient is dropped after."""
+        p, opt = slot.param, self.optimizer
+        group = _group_of(opt, p)
+        groups, params = opt.param_groups, group["params"]
+        group["params"] = [p]
+        opt.param_groups = [group]
+        p.grad = grad
+        try:
+            self._step(opt)
+        finally:
+            opt.param_groups, group["params"] = groups, params
+            p.grad = None
+        opt._opt_called = True  # LR schedulers check that the optimizer stepped
+        slot.updated += 1
+
+    def in_graph(self, slot: _Slot, grad: Tensor) -> None:
+        """A compiled backward's gradient for ``slot``: the update now, or, for a shared
+        parameter, accumulated until the backward ends."""
+        if slot.param.grad is not None and not slot.shared:  # plain PyTorch code's part came first
+            slot.shared = True
+        if slot.shared:
+            slot.param.grad = grad.clone() if slot.param.grad is None else slot.param.grad.add_(grad)
+            self._queue()
+            return
+        slot.in_graph = True
+        self._queue()  # to clear in_graph when the backward ends
+        self.update(slot, grad)
+
+    def _accumulated(self, p: Tensor) -> None:
+        """Autograd accumulated a gradient into ``p.grad`` (a graph that fell back, plain
+        PyTorch code): the update when the backward ends, from the whole gradient. (Autograd
+        runs the hook for the None a compiled backward returns for a parameter it updated, too.)"""
+        if p.grad is None:
+            return
+        slot = _SLOTS[self._slots[id(p)]]
+        if slot.in_graph:
+            slot.shared = True  # from the next step on: accumulated, updated when the backward ends
+            raise StepInBackwardError(
+                f"fxmem step_in_backward: parameter {slot.name!r} also got a gradient from code outside fxmem's "
+                "compiled graph, after its update had run in the compiled backward: this step's update of it "
+                "missed that part. Keep every use of a parameter inside the compiled module's forward (no "
+                "torch.compiler.disable/graph-break regions reading it), or leave step_in_backward out")
+        self._queue()
+
+    def _queue(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._queued = False
+        for key in self._slots.values():
+            slot = _SLOTS[key]
+            slot.in_graph = False
+            if slot.param.grad is not None:
+                self.update(slot, slot.param.grad)
+
+    def user_step(self, step: Callable, closure: Callable | None = None) -> Any:
+        """``optimizer.step()`` called by the user: each update already ran in the backward."""
+        if closure is not None:
+            raise StepInBackwardError(
+                "fxmem step_in_backward: optimizer.step(closure) cannot run: the updates run inside the "
+                "backward, one pass per step. Call loss = closure() (which runs backward) instead")
+        slots = [_SLOTS[k] for k in self._slots.values()]
+        many = [s.name for s in slots if s.updated > 1]
+        for s in slots:
+            s.updated = 0
+        seen, self._user_stepped = self._user_stepped, True
+        if many and seen:  # a step() every few backwards: the cadence of gradient accumulation
+            raise StepInBackwardError(
+                f"fxmem step_in_backward: {len(many)} parameter(s) (e.g. {many[0]!r}) were updated by several "
+                "backward passes between two optimizer.step() calls: gradient accumulation cannot work with the "
+                "step in the backward (each backward applies its own update). Use one larger batch (fxmem's "
+                "options level=1 or memory_budget make it fit), or leave step_in_backward out")
+        if not self._warned:
+            self._warned = True
+            warnings.warn("fxmem step_in_backward: optimizer.step() does nothing here: each parameter was updated "
+                          "in the backward (and zero_grad() finds no gradient); call only loss.backward() and the "
+                          "LR scheduler's step()", UserWarning, stacklevel=3)
+        return step()
+
+
+def _raw_step(opt: torch.optim.Optimizer) -> Callable:
+    """The optimizer class's step function without torch's hook wrapper (the user's step hooks
+    run once per ``optimizer.step()``, not once per parameter)."""
+    step = type(opt).step
+    return getattr(step, "__wrapped__", step)
+
+
+def _wrap_user_step(owner: InBackward) -> None:
+    opt = owner.optimizer
+    original = opt.step
+
+    def step(closure: Callable | None = None) -> Any:
+        return owner.user_step(original, closure)
+    if getattr(original, "_wrapped_by_lr_sched", False):  # a scheduler made before: it checks the mark
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = step  # type: ignore[method-assign]
+
+
+def _group_of(opt: torch.optim.Optimizer, p: Tensor) -> dict:
+    for group in opt.param_groups:
+        if any(q is p for q in group["params"]):
+            return group
+    raise StepInBackwardError("fxmem step_in_backward: a parameter the compiled graph updates is in none of the "
+                              "optimizer's param_groups any more; compile again after changing them")
+
+
+def _param_name(opt: torch.optim.Optimizer, p: Tensor) -> str:
+    for gi, group in enumerate(opt.param_groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return f"param_groups[{gi}].params[{pi}] {tuple(p.shape)}"
+    return f"parameter {tuple(p.shape)}"
+
+
+@torch.library.custom_op("fxmem::step_in_backward", mutates_args=("grad", "param_views"))
+def step_in_backward(grad: Tensor, param_views: list[Tensor], key: int) -> None:
+    """The optimizer's update of parameter ``key`` from ``grad``. ``param_views``: the backward's
+    inputs that share the parameter's storage (declared written, so that a compiler orders every
+    read of them before the update)."""
+    slot = _SLOTS[key]
+    slot.owner.in_graph(slot, grad)
+
+
+@step_in_backward.register_fake
+def _(grad, param_views, key):
+    return None
+
+
+# -- the graph pass ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """What :func:`rewrite` did to one backward: the keys it updates, in graph order."""
+    keys: tuple[int, ...]
+
+    def names(self) -> list[str]:
+        return [_SLOTS[k].name for k in self.keys]
+
+
+def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: dict[int, int]) -> Rewritten:
+    """``bw`` (in place) with each gradient of a graph input in ``keys`` (input index -> key)
+    handed to ``fxmem::step_in_backward`` and None returned in its place. The op is placed
+    after the gradient and after the last read of any backward value sharing the parameter's
+    storage (the parameter itself, views of it the forward saved, views of those)."""
+    from .graph.liveness import storage_roots
+
+    out = bw.graph.output_node()
+    descs = out.meta.get("desc")
+    grads = list(out.args[0])
+    if not keys or descs is None or len(descs) != len(grads):
+        return Rewritten(())
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    fw_root = storage_roots(fw)
+    bw_root = storage_roots(bw)
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+
+    def input_index(n: fx.Node) -> int | None:
+        """The graph input whose storage a backward placeholder shares, or None."""
+        src = fw_nodes.get(n.name)
+        if src is None:
+            return None
+        root = fw_root.get(src, src)
+        return _input_index(root.meta.get("desc")) if root.op == "placeholder" else None
+
+    views: dict[int, list[fx.Node]] = {}  # input index -> backward nodes sharing its storage
+    for p in bw.graph.find_nodes(op="placeholder"):
+        i = input_index(p)
+        if i is not None:
+            views.setdefault(i, []).append(p)
+    sharing: dict[int, list[fx.Node]] = {}
+    placeholders_of = {p: i for i, ps in views.items() for p in ps}
+    for n, root in bw_root.items():
+        if root in placeholders_of:
+            sharing.setdefault(placeholders_of[root], []).append(n)
+    done = []
+    for pos, (grad, desc) in enumerate(zip(grads, descs)):
+        i = _grad_of(desc)
+        if not isinstance(grad, fx.Node) or i not in keys:
+            continue
+        readers = [u for n in sharing.get(i, ()) for u in n.users if u.op != "output"]
+        after = max([grad, *readers], key=order.__getitem__)
+        with bw.graph.inserting_after(after):
+            node = bw.graph.call_function(torch.ops.fxmem.step_in_backward.default, (grad, list(views.get(i, ())), keys[i]))
+        node.meta["val"] = None
+        order[node] = order[after] + 0.5
+        grads[pos] = None
+        done.append(keys[i])
+    if done:
+        out.args = (tuple(grads),)
+        bw.graph.lint()
+        bw.recompile()
+    return Rewritten(tuple(done))
+
+
+def _input_index(desc: Any) -> int | None:
+    idx = getattr(desc, "idx", None)
+    return idx if type(desc).__name__ == "PlainAOTInput" and isinstance(idx, int) else None
+
+
+def _grad_of(desc: Any) -> int | None:
+    return _input_index(getattr(desc, "grad_of", None))
