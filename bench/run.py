@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 import configs  # noqa: E402
 import harness  # noqa: E402
-from worker import AUTOCAST, RESULT_PREFIX  # noqa: E402
+from worker import AUTOCAST, OPTIMIZERS, RESULT_PREFIX  # noqa: E402
 
 LOSS_RTOL = 1e-5  # first-step loss vs eager
 GRAD_RTOL = 1e-4  # first-step gradient norm vs eager
@@ -83,6 +83,8 @@ def run_one(model: str, spec: str, a: argparse.Namespace, autocast: str = "off")
            "--device", a.device, "--autocast", autocast]
     if a.quick:
         cmd.append("--quick")
+    if a.optimizer:
+        cmd += ["--optimizer", a.optimizer]
     env = dict(os.environ)
     if a.threads > 0:
         cmd += ["--threads", str(a.threads)]
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--autocast", default="off",
                    help="comma-separated, each of " + "/".join(AUTOCAST) + ": run every (model, config) with forward "
                         "and loss under torch.autocast in that dtype (off: without); default off")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                   help="an optimizer step in every step, after the backward (inside it for a configuration with "
+                        "fxmem's step_in_backward); default none: forward and backward only")
     p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
                    help="Inductor cache: a cold one per worker (default), one per run.py run, or the global "
                         "one that persists across runs (default with --quick)")

@@ -62,7 +62,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
             decision = decide(gm, example_inputs, opts)                           # lowering (decided)
         with _stage(f"compile (AOT trace, plan, split, {opts.inner} inner compiler)"):
             compiled, planned, lowered = _compile(gm, decision, example_inputs, opts.inner, settings,
-                                                   opts.inductor_config(), _in_backward(comp, example_inputs))
+                                                   opts.inductor_config(), _in_backward(comp, gm, example_inputs))
     except Exception as e:  # noqa: BLE001 - the failure policy decides
         stage_failed("compile", e, opts)
         return Compiled(inner.compile_safe(gm, example_inputs), comp)  # the graph as Dynamo gave it: no lowering
@@ -171,13 +171,15 @@ def _chunk_lowering(opts: Options) -> bool | Mapping[str, bool]:
     return MappingProxyType({**opts.lowering, name: False})
 
 
-def _in_backward(comp: Compilation, example_inputs: list[Any]) -> Mapping[int, int]:
+def _in_backward(comp: Compilation, gm: fx.GraphModule, example_inputs: list[Any]) -> Mapping[int, int]:
     """Graph input index -> ``fxmem::step_in_backward`` key for the inputs whose optimizer step
     the backward runs (``step_in_backward``), claimed for this graph's Dynamo frame."""
     runtime = comp.options.step_in_backward
     if runtime is None:
         return MappingProxyType({})
-    return runtime.keys(example_inputs, getattr(comp.compile_id, "frame_id", None))
+    sources = [getattr(getattr(n.meta.get("grapharg"), "source", None), "name", "")
+               for n in gm.graph.find_nodes(op="placeholder")]
+    return runtime.keys(example_inputs, getattr(comp.compile_id, "frame_id", None), sources)
 
 
 def _compile_id():

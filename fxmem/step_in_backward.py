@@ -30,7 +30,7 @@ gradient before any update cannot work in one pass and raises: a closure, gradie
 from __future__ import annotations
 
 import logging
-import operator
+import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -53,8 +53,18 @@ class StepInBackwardError(RuntimeError):
 
 
 def check_optimizer(value: Any, key: str = "step_in_backward") -> "InBackward | None":
-    """The option's value: None, or a supported ``torch.optim`` optimizer (its :class:`InBackward`)."""
-    if value is None or isinstance(value, InBackward):
+    """The option's value: None, or a supported ``torch.optim`` optimizer (its :class:`InBackward`),
+    on one process (under DDP/FSDP2 a gradient is reduced across ranks after the backward
+    returns it: an update inside the backward would use this rank's part alone)."""
+    if value is None:
+        return None
+    world = _world_size()
+    if world > 1:
+        raise ValueError(f"option {key!r}: torch.distributed runs {world} processes; the step in the backward "
+                         "would update each rank's parameters from its own gradient, before DDP or FSDP2 reduce "
+                         "them across ranks. Leave step_in_backward out there and call optimizer.step() after "
+                         "backward()")
+    if isinstance(value, InBackward):
         return value
     names = ", ".join(c.__name__ for c in SUPPORTED)
     if not isinstance(value, torch.optim.Optimizer):
@@ -65,6 +75,12 @@ def check_optimizer(value: Any, key: str = "step_in_backward") -> "InBackward | 
                          "of a parameter reads only that parameter's gradient and state). Leave the option out "
                          "and call optimizer.step() after backward() instead")
     return InBackward.of(value)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass(eq=False)
@@ -119,16 +135,20 @@ class InBackward:
             p.register_post_accumulate_grad_hook(self._accumulated)
         return key
 
-    def keys(self, inputs: Sequence[Any], frame: Any) -> dict[int, int]:
+    def keys(self, inputs: Sequence[Any], frame: Any, names: Sequence[str] = ()) -> dict[int, int]:
         """Graph input index -> key, for the inputs that are this optimizer's parameters, claimed
         for ``frame`` (Dynamo's frame id: recompiles of one frame replace each other, graphs of
-        two frames run in one step, so a parameter two frames read is ``shared``)."""
+        two frames run in one step, so a parameter two frames read is ``shared``). ``names``:
+        Dynamo's source of each input (``L['self']._modules['fc']._parameters['weight']``), for
+        the report and errors (``fc.weight``)."""
         mine = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         out = {}
         for i, t in enumerate(inputs):
             if isinstance(t, Tensor) and id(t) in mine and t.requires_grad:
                 key = self._key(t)
                 slot = _SLOTS[key]
+                if i < len(names) and names[i]:
+                    slot.name = _dotted(names[i])
                 slot.frames.add(frame)
                 if len(slot.frames) > 1 and not slot.shared:
                     slot.shared = True
@@ -247,6 +267,12 @@ def _group_of(opt: torch.optim.Optimizer, p: Tensor) -> dict:
                               "optimizer's param_groups any more; compile again after changing them")
 
 
+def _dotted(source: str) -> str:
+    """``L['self']._modules['fc']._parameters['weight']`` -> ``fc.weight`` (else as given)."""
+    parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", source)
+    return ".".join(parts) if parts else source
+
+
 def _param_name(opt: torch.optim.Optimizer, p: Tensor) -> str:
     for gi, group in enumerate(opt.param_groups):
         for pi, q in enumerate(group["params"]):
@@ -328,12 +354,12 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: dict[int, int]) -> Rew
         node.meta["val"] = None
         order[node] = order[after] + 0.5
         grads[pos] = None
-        done.append(keys[i])
+        done.append((order[node], keys[i]))
     if done:
         out.args = (tuple(grads),)
         bw.graph.lint()
         bw.recompile()
-    return Rewritten(tuple(done))
+    return Rewritten(tuple(k for _, k in sorted(done)))
 
 
 def _input_index(desc: Any) -> int | None:
