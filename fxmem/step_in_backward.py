@@ -15,11 +15,13 @@ For every optimizer whose update of a parameter reads only that parameter's grad
 backward then ``optimizer.step()`` would take: the same function on the same numbers.
 
 What a graph cannot finish (a parameter that another compiled graph or plain PyTorch code also
-reads, a graph that fell back to the safe plan) goes through autograd as usual: the gradient is
-accumulated in ``.grad`` (a post-accumulate-grad hook, or the op itself for a parameter two
-graphs share) and the parameter is updated when the backward ends
-(``queue_callback``), from its whole gradient. Only a contribution from plain PyTorch code to a
-parameter whose update already ran cannot be repaired: that raises.
+reads, a graph that fell back to the safe plan) is accumulated in ``.grad`` (by autograd, with a
+post-accumulate-grad hook, or by the op) and the parameter is updated when the backward ends
+(``queue_callback``), from its whole gradient. Which parameters those are shows in the first
+backward, which accumulates every gradient so (its peak is a plain step's); from the second on
+the others are updated early. Only a use that appears later (plain PyTorch code reading a
+parameter after a data-dependent branch) cannot be repaired for that step: it raises, and the
+parameter is accumulated from then on.
 
 The user's loop is ``loss.backward()`` (then the scheduler's ``step()``): ``optimizer.step()``
 is a no-op after it (one warning), and ``zero_grad()`` finds no gradient to clear. What needs every
@@ -34,7 +36,7 @@ import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -92,7 +94,10 @@ class _Slot:
     frames: set = field(default_factory=set)  # Dynamo frames whose compiled graphs update it
     shared: bool = False  # two frames' graphs read it: accumulated, updated when the backward ends
     updated: int = 0  # updates since the user's last optimizer.step() (gradient accumulation)
-    in_graph: bool = False  # updated by a graph's op this backward (a later .grad means another use)
+    in_graph: bool = False  # a graph's op got its gradient in this backward
+    updated_early: bool = False  # ... and updated it there (a later part cannot be added)
+    probed: bool = False  # a backward ran with it: the uses it found are the parameter's uses
+    mine: Any = None  # (.grad, its version) as the op left it, accumulating
 
 
 _SLOTS: list[_Slot] = []  # the op's key -> its slot (keys are baked into compiled graphs)
@@ -175,33 +180,48 @@ class InBackward:
         slot.updated += 1
 
     def in_graph(self, slot: _Slot, grad: Tensor) -> None:
-        """A compiled backward's gradient for ``slot``: the update now, or, for a shared
-        parameter, accumulated until the backward ends."""
-        if slot.param.grad is not None and not slot.shared:  # plain PyTorch code's part came first
+        """A compiled backward's gradient for ``slot``: the update now; or, while the parameter
+        is not known to get its whole gradient here (its first backward, a parameter other code
+        reads too), accumulated in ``.grad`` and updated when the backward ends."""
+        if slot.param.grad is not None:  # another part came first (plain PyTorch code, another graph)
             slot.shared = True
-        if slot.shared:
-            slot.param.grad = grad.clone() if slot.param.grad is None else slot.param.grad.add_(grad)
-            self._queue()
-            return
         slot.in_graph = True
-        self._queue()  # to clear in_graph when the backward ends
+        self._queue()  # (clears in_graph when the backward ends)
+        if slot.shared or not slot.probed:
+            p = slot.param
+            p.grad = grad.clone() if p.grad is None else p.grad.add_(grad)
+            slot.mine = (p.grad, p.grad._version)  # the hook tells autograd's parts from this
+            return
+        slot.updated_early = True
         self.update(slot, grad)
 
     def _accumulated(self, p: Tensor) -> None:
-        """Autograd accumulated a gradient into ``p.grad`` (a graph that fell back, plain
-        PyTorch code): the update when the backward ends, from the whole gradient. (Autograd
-        runs the hook for the None a compiled backward returns for a parameter it updated, too.)"""
-        if p.grad is None:
-            return
+        """Autograd accumulated a gradient into ``p.grad`` (plain PyTorch code, a graph that fell
+        back): the update when the backward ends, from the whole gradient. (Autograd runs the
+        hook for the None a compiled backward returns for a parameter it updated, too.)"""
         slot = _SLOTS[self._slots[id(p)]]
+        if p.grad is None or (slot.mine is not None and slot.mine[0] is p.grad and slot.mine[1] == p.grad._version):
+            return
         if slot.in_graph:
-            slot.shared = True  # from the next step on: accumulated, updated when the backward ends
+            slot.shared = True  # from now on: accumulated, updated when the backward ends
+        if slot.updated_early:
+            self._abandon()
             raise StepInBackwardError(
-                f"fxmem step_in_backward: parameter {slot.name!r} also got a gradient from code outside fxmem's "
-                "compiled graph, after its update had run in the compiled backward: this step's update of it "
-                "missed that part. Keep every use of a parameter inside the compiled module's forward (no "
-                "torch.compiler.disable/graph-break regions reading it), or leave step_in_backward out")
+                f"fxmem step_in_backward: parameter {slot.name!r} got a gradient from code outside fxmem's "
+                "compiled graph after its update had run in the compiled backward (a use its earlier backwards "
+                "did not have): this step's update of it missed that part; from the next backward on it is "
+                "updated when the backward ends. Keep every use of a parameter inside the compiled forward, or "
+                "leave step_in_backward out")
         self._queue()
+
+    def _abandon(self) -> None:
+        """This backward stops with an error: no update when it ends, no gradient left for the next."""
+        self._queued = False
+        for key in self._slots.values():
+            slot = _SLOTS[key]
+            slot.param.grad = None
+            slot.in_graph = slot.updated_early = False
+            slot.mine = None
 
     def _queue(self) -> None:
         if not self._queued:
@@ -212,9 +232,11 @@ class InBackward:
         self._queued = False
         for key in self._slots.values():
             slot = _SLOTS[key]
-            slot.in_graph = False
             if slot.param.grad is not None:
                 self.update(slot, slot.param.grad)
+            slot.probed |= slot.in_graph  # its uses are known: the next backward updates it early
+            slot.in_graph = slot.updated_early = False
+            slot.mine = None
 
     def user_step(self, step: Callable, closure: Callable | None = None) -> Any:
         """``optimizer.step()`` called by the user: each update already ran in the backward."""
@@ -281,17 +303,20 @@ def _param_name(opt: torch.optim.Optimizer, p: Tensor) -> str:
     return f"parameter {tuple(p.shape)}"
 
 
-@torch.library.custom_op("fxmem::step_in_backward", mutates_args=("grad", "param_views"))
-def step_in_backward(grad: Tensor, param_views: list[Tensor], key: int) -> None:
-    """The optimizer's update of parameter ``key`` from ``grad``. ``param_views``: the backward's
-    inputs that share the parameter's storage (declared written, so that a compiler orders every
-    read of them before the update)."""
+@torch.library.custom_op("fxmem::step_in_backward", mutates_args=("grad",))
+def step_in_backward(grad: Tensor, after: list[Tensor], key: int) -> None:
+    """The optimizer's update of parameter ``key`` from ``grad``. ``after``: values computed from
+    the parameter that must exist before it changes (a compiler that reorders the backward runs
+    the op after them; the eager inner compiler runs the graph in its order and passes none).
+    ``grad`` is declared written so that no compiler drops the op, which returns nothing; the
+    parameter is not declared (a declared write bumps its version counter, and an earlier
+    graph's backward that saved it for later would refuse to run)."""
     slot = _SLOTS[key]
     slot.owner.in_graph(slot, grad)
 
 
 @step_in_backward.register_fake
-def _(grad, param_views, key):
+def _(grad, after, key):
     return None
 
 
@@ -307,11 +332,12 @@ class Rewritten:
         return [_SLOTS[k].name for k in self.keys]
 
 
-def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: dict[int, int]) -> Rewritten:
+def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: Mapping[int, int], in_order: bool = True) -> Rewritten:
     """``bw`` (in place) with each gradient of a graph input in ``keys`` (input index -> key)
     handed to ``fxmem::step_in_backward`` and None returned in its place. The op is placed
     after the gradient and after the last read of any backward value sharing the parameter's
-    storage (the parameter itself, views of it the forward saved, views of those)."""
+    storage (the parameter itself, views of it the forward saved, views of those). Unless the
+    inner compiler runs the graph ``in_order``, the op also takes what those reads computed."""
     from .graph.liveness import storage_roots
 
     out = bw.graph.output_node()
@@ -337,20 +363,22 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: dict[int, int]) -> Rew
         i = input_index(p)
         if i is not None:
             views.setdefault(i, []).append(p)
-    sharing: dict[int, list[fx.Node]] = {}
+    sharing: dict[int, set[fx.Node]] = {}
     placeholders_of = {p: i for i, ps in views.items() for p in ps}
     for n, root in bw_root.items():
         if root in placeholders_of:
-            sharing.setdefault(placeholders_of[root], []).append(n)
+            sharing.setdefault(placeholders_of[root], set()).add(n)
     done = []
     for pos, (grad, desc) in enumerate(zip(grads, descs)):
         i = _grad_of(desc)
         if not isinstance(grad, fx.Node) or i not in keys:
             continue
-        readers = [u for n in sharing.get(i, ()) for u in n.users if u.op != "output"]
+        views_of = sharing.get(i, set())
+        readers = {u for n in views_of for u in n.users if u.op != "output" and u not in views_of}
         after = max([grad, *readers], key=order.__getitem__)
         with bw.graph.inserting_after(after):
-            node = bw.graph.call_function(torch.ops.fxmem.step_in_backward.default, (grad, list(views.get(i, ())), keys[i]))
+            node = bw.graph.call_function(torch.ops.fxmem.step_in_backward.default,
+                                          (grad, [] if in_order else _tensors(readers, order), keys[i]))
         node.meta["val"] = None
         order[node] = order[after] + 0.5
         grads[pos] = None
@@ -360,6 +388,15 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: dict[int, int]) -> Rew
         bw.graph.lint()
         bw.recompile()
     return Rewritten(tuple(k for _, k in sorted(done)))
+
+
+def _tensors(nodes: Iterable[fx.Node], order: Mapping[fx.Node, float]) -> list[fx.Node]:
+    """The tensors ``nodes`` compute (an op returning several: its getitems), in graph order."""
+    out = []
+    for n in nodes:
+        out += [n] if isinstance(n.meta.get("val"), Tensor) else \
+            [u for u in n.users if isinstance(u.meta.get("val"), Tensor)]
+    return sorted(set(out), key=order.__getitem__)
 
 
 def _input_index(desc: Any) -> int | None:

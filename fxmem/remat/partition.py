@@ -196,7 +196,7 @@ class Partitioner(CustomPartitionerFn):
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem split: %d values saved, %d recomputed in the backward",
                   len(result.saved), len(result.recomputed))
-        stepped = rewrite(result.fw, result.bw, self.in_backward)
+        stepped = rewrite(result.fw, result.bw, self.in_backward, in_order=settings.target.exact_peak)
         fw, bw = settings.target.finish(result, settings.memory_first)
         self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names()), in_backward=stepped))
         return fw, bw
