@@ -30,6 +30,7 @@ from bench.dpsgd_models import GPT
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the harness, as its scripts import it
 import common  # noqa: E402
 import harness  # noqa: E402
+import results_format  # noqa: E402
 
 OUT = Path(__file__).with_name("results") / "dpsgd-parity"
 DELTA = 1e-5
@@ -118,8 +119,8 @@ def main() -> None:
             p.join()
         rows = got[0]
     path = OUT.with_suffix(".json")
-    old = harness.read(path) if path.exists() else None  # the other world size's run stays
-    records = [harness.unflatten(r) for r in harness.pivot(old.rows).values()] if old else []
+    old = results_format.read(path) if path.exists() else None  # the other world size's run stays
+    records = [results_format.unflatten(r) for r in results_format.pivot(old.rows).values()] if old else []
     records = [r for r in records if r["world"] != args.world] + [
         {"world": args.world, "step": r["step"], **{k: r[k] for k in ("batch", "loss", "epsilon", "step_s")}}
         for r in rows]

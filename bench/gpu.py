@@ -55,6 +55,7 @@ sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
 import harness  # noqa: E402
+import results_format  # noqa: E402
 import tables  # noqa: E402
 
 MIB = 2**20
@@ -904,8 +905,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def add(step: str, item: str, status: str, **metrics) -> dict:
         row = {"step": step, "item": item, "status": status, **{k: v for k, v in metrics.items() if v is not None}}
-        taken, n = {harness.case_name(r, GPU_CASE) for r in rows}, 1
-        while harness.case_name(row, GPU_CASE) in taken:  # a retry, a step's error after its rows: told apart
+        taken, n = {results_format.case_name(r, GPU_CASE) for r in rows}, 1
+        while results_format.case_name(row, GPU_CASE) in taken:  # a retry, a step's error after its rows: told apart
             n += 1
             row["item"] = f"{item} ({n})"
         rows.append(row)

@@ -20,14 +20,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
+import results_format  # noqa: E402
 import tables  # noqa: E402
 
-ROOT = harness.BENCH.parent
+ROOT = results_format.BENCH.parent
 DOCS = ("README.md", "docs/benchmarks.md")
 REGION = re.compile(r"(<!-- bench:(?P<name>[^ ]+) -->\n)(?P<body>.*?)(<!-- /bench -->)", re.S)
 
 
-def doc_table(name: str, results: dict[str, harness.Results]) -> str:
+def doc_table(name: str, results: dict[str, results_format.Results]) -> str:
     """The markdown of the region NAME (see the module docstring)."""
     if name in tables.DOC_TABLES:
         return "\n".join(tables.DOC_TABLES[name](results)) + "\n"
@@ -43,7 +44,7 @@ def doc_table(name: str, results: dict[str, harness.Results]) -> str:
     raise KeyError(f"region {name!r}: spec {spec.name!r} has no table {table!r}")
 
 
-def render_doc(text: str, results: dict[str, harness.Results]) -> tuple[str, list[str]]:
+def render_doc(text: str, results: dict[str, results_format.Results]) -> tuple[str, list[str]]:
     """``text`` with every region regenerated, and the names of the regions that changed."""
     changed: list[str] = []
 
@@ -60,7 +61,7 @@ def expected(root: Path = ROOT) -> dict[Path, tuple[str, list[str]]]:
     """Every generated file: its path -> (the text the results generate, what differs: table
     names for docs, ``["whole file"]`` for results markdown; empty when it is up to date)."""
     results_dir = root / "bench" / "results"
-    results = harness.read_all(results_dir)
+    results = results_format.read_all(results_dir)
     out: dict[Path, tuple[str, list[str]]] = {}
     for study, res in results.items():
         path = results_dir / f"{study}.md"

@@ -1,7 +1,7 @@
 """Table specs: for each kind of study, which fields name a case and how its rows become tables.
 
 A study's results name their spec in ``meta["spec"]`` (``harness.write`` sets it; ``spec_name``
-finds it from the study's name otherwise). A spec without tables gets ``harness.default_table``:
+finds it from the study's name otherwise). A spec without tables gets ``default_table``:
 every scalar metric a column. ``DOC_TABLES`` are the tables README.md and docs/benchmarks.md
 show between ``<!-- bench:NAME -->`` and ``<!-- /bench -->`` (``bench/render.py``); a study's own
 table is named ``<study>:<table>`` there.
@@ -11,9 +11,108 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from harness import MIB, Column, Results, Table, fmt
+from results_format import MIB, Results, unit_of
+
+# --- the vocabulary of a spec: a column, a table ------------------------------------------------
+
+
+def fmt(value: Any, how: str | Callable[[Any], str]) -> str:
+    """A cell: ``how`` is a callable, ``mib`` (bytes as MiB, .1f), ``ms`` (seconds as ms, .0f),
+    ``gib`` (bytes as GiB, .2f), ``str``, or a format spec (``.2f``, ``.3g``, ``d``)."""
+    if value is None or value == "":
+        return ""
+    if callable(how):
+        return how(value)
+    if how == "str" or isinstance(value, (str, bool)):
+        return str(value).replace("|", "\\|").replace("\n", " ")
+    if how == "mib":
+        return f"{value / MIB:.1f}"
+    if how == "gib":
+        return f"{value / 2**30:.2f}"
+    if how == "ms":
+        return f"{value * 1e3:.0f}"
+    return format(value, how)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: ``header``, the ``metric`` it shows (or a callable on the case's record),
+    how to format it, and whether it is a number (right-aligned)."""
+
+    header: str
+    metric: str | Callable[[dict], Any]
+    how: str | Callable[[Any], str] = "str"
+    number: bool = True
+
+    def cell(self, rec: dict) -> str:
+        value = self.metric(rec) if callable(self.metric) else rec.get(self.metric)
+        return fmt(value, self.how)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A markdown table of a study: ``columns``, the cases it shows (``where`` on the record; all
+    by default) in the rows' order, and an optional ``title`` (a ``##`` heading)."""
+
+    name: str
+    columns: tuple[Column, ...]
+    where: Callable[[dict], bool] | None = None
+    title: str = ""
+    replace_row: Callable[[dict], list[str] | None] | None = None
+    each: str = ""  # a list of a record (``rows``): one table row per item, its fields beside the record's
+    sort: Callable[[dict], Any] | None = None  # the rows' order (default: the results')
+
+    def lines(self, records: dict[str, dict]) -> list[str]:
+        out = ["| " + " | ".join(c.header for c in self.columns) + " |",
+               "|" + "|".join("---:" if c.number else "---" for c in self.columns) + "|"]
+        shown = expand(records, self.each) if self.each else list(records.values())
+        for rec in sorted(shown, key=self.sort) if self.sort else shown:
+            if self.where is not None and not self.where(rec):
+                continue
+            cells = self.replace_row(rec) if self.replace_row else None
+            if cells is None:
+                cells = [c.cell(rec) for c in self.columns]
+            out.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|")
+        return out
+
+
+def expand(records: dict[str, dict], field: str) -> list[dict]:
+    """Each record's items of the list ``field`` (metrics ``field[i].x``) as ``{**record, x: ...}``."""
+    out = []
+    for rec in records.values():
+        items: dict[int, dict] = {}
+        for m, v in rec.items():
+            if m.startswith(field + "["):
+                i, _, rest = m[len(field) + 1:].partition("]")
+                items.setdefault(int(i), {})[rest.lstrip(".")] = v
+        out += [{**rec, **items[i]} for i in sorted(items)]
+    return out
+
+
+def default_table(records: dict[str, dict]) -> Table:
+    """Every scalar metric of the records a column (list items left out), in first-seen order."""
+    metrics: dict[str, None] = {}
+    for rec in records.values():
+        for m, v in rec.items():
+            if "[" not in m and not (isinstance(v, str) and len(v) > 80):
+                metrics.setdefault(m, None)
+    cols = [Column("case", lambda r: r["__case__"], number=False)]
+    cols += [Column(m, m, lambda v, m=m: _auto(m, v), number=True) for m in metrics]
+    return Table("all", tuple(cols))
+
+
+def _auto(metric: str, value: Any) -> str:
+    if isinstance(value, (str, bool)):
+        return fmt(value, "str")
+    unit = unit_of(metric)
+    if unit == "bytes":
+        return f"{value / MIB:.1f} MiB"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"
+
 
 Records = dict[str, dict]
 

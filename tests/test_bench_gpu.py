@@ -14,7 +14,7 @@ from helpers import load_bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-import harness  # noqa: E402
+import results_format  # noqa: E402
 
 STEPS = ("kernels", "replay", "peaks", "loss", "dpsgd")
 
@@ -24,9 +24,9 @@ def _run(tmp_path: Path, *args: str, timeout: int) -> tuple[subprocess.Completed
     run = subprocess.run([sys.executable, "-m", "bench.gpu", "--out-dir", str(tmp_path), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (res,) = [harness.read(p) for p in tmp_path.glob("*.json")]
+    (res,) = [results_format.read(p) for p in tmp_path.glob("*.json")]
     assert (tmp_path / f"{res.study}.md").exists()
-    records = [harness.unflatten(r) for r in res.records().values()]
+    records = [results_format.unflatten(r) for r in res.records().values()]
     return run, {"name": res.study, "meta": res.meta, "run": res.meta["run"], "results": records}
 
 

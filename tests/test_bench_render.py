@@ -1,6 +1,6 @@
-"""bench/render.py and bench/harness.py: every committed result is in the one format, its markdown and
-the marked tables of README.md and docs/benchmarks.md are what the rows generate, and a table edited
-by hand fails ``--check`` with the file and the table named."""
+"""bench/render.py, bench/harness.py and bench/results_format.py: every committed result is in the
+one format, its markdown and the marked tables of README.md and docs/benchmarks.md are what the rows
+generate, and a table edited by hand fails ``--check`` with the file and the table named."""
 
 import json
 import shutil
@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import harness  # noqa: E402
 import render  # noqa: E402
+import results_format  # noqa: E402
 
 
 def test_the_committed_results_and_docs_pass_the_check(capsys):
@@ -59,33 +59,34 @@ def test_a_changed_result_fails_the_check_in_its_markdown_and_the_docs(tmp_path,
 
 
 def test_records_become_long_rows_and_back():
-    case = harness.Case("gpt2_small", "fxmem-L1", "b8xs256", "realistic")
-    assert harness.Measurement(case.name, "peak_bytes", 5, "bytes").row("realistic", "c", "t") == {
+    case = results_format.Case("gpt2_small", "fxmem-L1", "b8xs256", "realistic")
+    assert results_format.Measurement(case.name, "peak_bytes", 5, "bytes").row("realistic", "c", "t") == {
         "study": "realistic", "case": "gpt2_small/fxmem-L1/b8xs256", "metric": "peak_bytes", "unit": "bytes",
         "value": 5, "commit": "c", "time": "t"}
     recs = [{"model": "m", "config": "a", "peak_bytes": 10, "times": [0.5, 0.25], "plan": {"level": 1}, "x": None},
             {"model": "m", "config": "b", "peak_bytes": 7}]
-    rows = harness.records_to_rows("s", recs, ("model", "config"), "c0ffee", "2026-01-01 00:00:00")
+    rows = results_format.records_to_rows("s", recs, ("model", "config"), "c0ffee", "2026-01-01 00:00:00")
     assert rows[2] == {"study": "s", "case": "m/a", "metric": "peak_bytes", "unit": "bytes", "value": 10,
                        "commit": "c0ffee", "time": "2026-01-01 00:00:00"}
-    assert harness.pivot(rows) == {"m/a": {"model": "m", "config": "a", "peak_bytes": 10, "times[0]": 0.5,
+    assert results_format.pivot(rows) == {"m/a": {"model": "m", "config": "a", "peak_bytes": 10, "times[0]": 0.5,
                                            "times[1]": 0.25, "plan.level": 1},
                                    "m/b": {"model": "m", "config": "b", "peak_bytes": 7}}
     assert [r["unit"] for r in rows if r["metric"].startswith("times")] == ["s", "s"]
-    assert harness.unflatten(harness.pivot(rows)["m/a"]) == {k: v for k, v in recs[0].items() if v is not None}
+    back = results_format.unflatten(results_format.pivot(rows)["m/a"])
+    assert back == {k: v for k, v in recs[0].items() if v is not None}
     with pytest.raises(ValueError, match=r"two records have the case 'm/b'"):
-        harness.records_to_rows("s", recs + recs[1:], ("model", "config"), None, None)
+        results_format.records_to_rows("s", recs + recs[1:], ("model", "config"), None, None)
 
 
 @pytest.mark.parametrize("doc, message", [
     ({"name": "x", "results": []}, "expected an object with keys study, meta, rows"),
     ({"study": "x", "meta": {}, "rows": [{"study": "x", "case": "c", "metric": "m", "value": 1}]},
      "row 0 must have the keys study, case, metric, unit, value, commit, time"),
-    ({"study": "x", "meta": {}, "rows": [dict(zip(harness.ROW_KEYS, ("y", "c", "m", "", 1, None, None)))]},
+    ({"study": "x", "meta": {}, "rows": [dict(zip(results_format.ROW_KEYS, ("y", "c", "m", "", 1, None, None)))]},
      "row 0 is of study 'y', the file's is 'x'"),
-    ({"study": "x", "meta": {}, "rows": [dict(zip(harness.ROW_KEYS, ("x", "c", "m", "", [1], None, None)))]},
+    ({"study": "x", "meta": {}, "rows": [dict(zip(results_format.ROW_KEYS, ("x", "c", "m", "", [1], None, None)))]},
      "value must be a number, string or bool"),
 ])
 def test_a_file_not_in_the_format_is_refused_naming_what_is_wrong(doc, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        harness.check(doc, "f.json")
+        results_format.check(doc, "f.json")

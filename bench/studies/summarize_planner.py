@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
 import common  # noqa: E402
 import harness  # noqa: E402
+import results_format  # noqa: E402
 
 TARGET_MODELS = ("hf_gpt2", "hf_llama")
 INNERS = {  # inner compiler -> (label, min-cut baseline of the same inner compiler)
@@ -94,10 +95,10 @@ class Results:
 
 def load(results_dir: Path, name: str, times: list[str]) -> tuple[Results, dict]:
     """The run ``name`` and the interleaved runs ``times`` of ``results_dir`` (the one format)."""
-    run = harness.read(results_dir / f"{name}.json")
-    inter = {t: [harness.unflatten(r) for r in harness.read(results_dir / f"{t}.json").records().values()]
+    run = results_format.read(results_dir / f"{name}.json")
+    inter = {t: [results_format.unflatten(r) for r in results_format.read(results_dir / f"{t}.json").records().values()]
              for t in times}
-    return Results([harness.unflatten(r) for r in run.records().values()], inter), run.meta.get("run", {})
+    return Results([results_format.unflatten(r) for r in run.records().values()], inter), run.meta.get("run", {})
 
 
 def _time_ratio(a: dict, b: dict) -> dict:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 import common  # noqa: E402
 import configs  # noqa: E402
 import harness  # noqa: E402
+import results_format  # noqa: E402
 
 import fxmem  # noqa: E402
 from fxmem.graph_breaks import break_count, breaks_since  # noqa: E402
@@ -145,7 +146,7 @@ def main(argv=None, prefix: str = "zoo", script: str = "bench/studies/zoo_table.
     study = f"{prefix}-{args.profile}" + ("" if args.inner == "eager" else f"-{args.inner}")
     rows = []
     if args.merge:  # the committed rows, in zoo order, those of the models named measured again
-        old = harness.read(harness.RESULTS / f"{study}.json")
+        old = results_format.read(results_format.RESULTS / f"{study}.json")
         rows = list(old.records().values())  # flat records: written back as the same rows
         meta = {**meta, "merged": f"{', '.join(names)} measured again at this commit; the other rows "
                                   f"from commit {old.meta.get('commit')}"}

@@ -63,6 +63,17 @@ def check_clipping_norm(value: Any, where: str = "clipped_grad") -> float:
     return float(value)
 
 
+def check_clipping_norms(value: Any, where: str = "clipped_grad") -> float | tuple[float, ...]:
+    """C as a float (flat clipping), or a non-empty list/tuple of them, one bound per gradient
+    leaf (per-layer clipping) as a tuple: what ``clip_and_sum`` takes."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{where}: clipping_norm must be a positive number or a non-empty list "
+                             f"of them (one per gradient leaf), got {value!r}")
+        return tuple(check_clipping_norm(v, where) for v in value)
+    return check_clipping_norm(value, where)
+
+
 def _compile_options(microbatch_size, memory_budget, options) -> dict[str, Any]:
     from ..options import resolve
 
@@ -88,7 +99,7 @@ def _compile_options(microbatch_size, memory_budget, options) -> dict[str, Any]:
 # --- the compiled step --------------------------------------------------------------------------
 
 
-def _make_step(loss_fn: Callable, clipping_norm: float, argnums: tuple[int, ...] | int,
+def _make_step(loss_fn: Callable, clipping_norm: float | tuple[float, ...], argnums: tuple[int, ...] | int,
                batch_argnums: tuple[int, ...], return_norms: bool, return_losses: bool,
                weighted: bool = False):
     """The compiled step. ``weighted``: its last argument is the examples' weights ``[B]`` (see
@@ -218,6 +229,12 @@ class ClippedGradFn:
         from ..compilation import compilations
 
         batch = self.batch_size(args)
+        if isinstance(self.clipping_norm, tuple):
+            leaves = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
+            if len(leaves) != len(self.clipping_norm):
+                raise ValueError(f"clipped_grad: clipping_norm has {len(self.clipping_norm)} bounds (per-layer "
+                                 f"clipping) for {len(leaves)} differentiated tensors: give one per tensor, "
+                                 "in the order of the arguments' pytree leaves")
         if batch == 0:
             return self._empty(args)
         breaks = break_count()
@@ -355,7 +372,7 @@ class ClippedGradFn:
 
 def clipped_grad(
     loss_fn: Callable[..., torch.Tensor],
-    clipping_norm: float,
+    clipping_norm: float | Sequence[float],
     *,
     batch_argnums: int | Sequence[int] = 1,
     argnums: int | Sequence[int] = 0,
@@ -372,7 +389,10 @@ def clipped_grad(
         loss_fn: per-example loss, ``loss_fn(*args) -> scalar``, called on ONE example: the
             arguments at ``batch_argnums`` without their batch dim.
         clipping_norm: C, the L2 bound of every per-example gradient (over all differentiated
-            arguments together): the sum's sensitivity to adding or removing one example.
+            arguments together): the sum's sensitivity to adding or removing one example. A list
+            of bounds, one per differentiated tensor (the pytree leaves of ``args[argnums]`` in
+            order), clips per layer: each tensor's per-example gradient to its own bound, so the
+            sensitivity is the L2 norm of the bounds (Opacus' ``clipping="per_layer"``).
         batch_argnums: positions of the arguments that carry the batch as dim 0 (tensors or
             pytrees of tensors, all with the same batch size).
         argnums: positions of the arguments to differentiate (no batch dim). An int gives grads
@@ -395,7 +415,7 @@ def clipped_grad(
     """
     if not callable(loss_fn):
         raise ValueError(f"clipped_grad: loss_fn must be callable, got {loss_fn!r}")
-    C = check_clipping_norm(clipping_norm)
+    C = check_clipping_norms(clipping_norm)
     argnums_t = _argnums(argnums, "argnums")
     batch_t = _argnums(batch_argnums, "batch_argnums")
     overlap = set(argnums_t) & set(batch_t)

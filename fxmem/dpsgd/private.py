@@ -48,6 +48,27 @@ __all__ = ["DEFAULT_ACCOUNTANT", "DPOptimizer", "PrivacyEngine", "PrivateModule"
            "make_private_with_epsilon"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
+CLIPPINGS = ("flat", "per_layer")  # Opacus' third, "adaptive" (AdaClip), is refused by name
+# Opacus' grad_sample_mode names -> how fxmem computes the clipped sum. Every mode runs the same
+# route, fxmem's compiled per-example chunks (ghost norms where they pay, unless options say
+# ghost_clipping=False): the modes differ in Opacus only in how it gets per-sample gradients,
+# which fxmem gets its own way; the clipped sum is the same. The "ghost" modes return Opacus'
+# 4-tuple (module, optimizer, criterion, data_loader) and insist on ghost norms.
+GRAD_SAMPLE_MODES = {
+    "hooks": "fxmem's compiled chunks (Opacus' default: per-sample gradients from module hooks)",
+    "functorch": "fxmem's compiled chunks (Opacus: vmap(grad) per layer)",
+    "ew": "fxmem's compiled chunks (Opacus: expanded weights)",
+    "ghost": "fxmem's compiled chunks with ghost norms; returns (module, optimizer, criterion, data_loader)",
+    "ghost_fsdp": "as 'ghost' (Opacus: ghost clipping under FSDP; fxmem all-reduces itself under "
+                  "torch.distributed)",
+}
+UNSUPPORTED_GRAD_SAMPLE_MODES = {
+    "ghost_tp": "ghost clipping under tensor parallelism",
+    "no_op": "no per-sample gradients (the user computes them)",
+}
+# make_private arguments of Opacus 1.6 that fxmem refuses rather than silently ignore
+OPACUS_OPTIMIZER_KWARGS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
+                           "min_clipbound", "unclipped_num_std")  # AdaClipDPOptimizer's (clipping="adaptive")
 DEFAULT_ACCOUNTANT = "prv"  # opacus.PrivacyEngine's default (opacus 1.6 privacy_engine.py): same script, same epsilon
 
 
@@ -64,6 +85,17 @@ def _distributed() -> tuple[int, int] | None:
     if d.is_available() and d.is_initialized():
         return d.get_rank(), d.get_world_size()
     return None
+
+
+def _example_loss(model: nn.Module):
+    """Example i's "loss" ``scale * <model(x_i), v_i>`` (``v = dL/d output``, ``[B, ...]``) as a
+    function of ``(trainable, frozen, scale, v_i, *x_i)``: its gradient is the vector-Jacobian
+    product of the model's output at example i with row i, i.e. example i's gradient of the
+    user's loss (``scale`` = B undoes a mean's 1/B)."""
+    def example_loss(trainable, frozen, scale, v, *xs):
+        out = functional_call(model, {**frozen, **trainable}, tuple(x[None] for x in xs))
+        return (out * v[None]).sum() * scale
+    return example_loss
 
 
 class _PrivateOutput(torch.autograd.Function):
@@ -88,14 +120,19 @@ class PrivateModule(nn.Module):
     ``.grad`` (added to what is there, as autograd does). Under ``torch.no_grad()`` it is the
     plain module. ``_module`` is the user's module."""
 
-    def __init__(self, module: nn.Module, max_grad_norm: float, expected_batch_size: int,
+    def __init__(self, module: nn.Module, max_grad_norm: float | tuple[float, ...], expected_batch_size: int,
                  loss_reduction: str, microbatch_size: int | str | None, memory_budget,
-                 options: Mapping[str, Any] | None):
+                 options: Mapping[str, Any] | None, grad_sample: bool = False):
         super().__init__()
         self._module = module
-        self.max_grad_norm = max_grad_norm
+        # A float (flat clipping) or one bound per trainable parameter, in ``_trainable``'s order
+        # (per-layer clipping); ``max_grad_norm`` is then their L2 norm, the sensitivity of the
+        # clipped sum (Opacus' DPPerLayerOptimizer reports and noises with the same).
+        self.clipping_bounds = max_grad_norm
+        self.max_grad_norm = math.hypot(*max_grad_norm) if isinstance(max_grad_norm, tuple) else max_grad_norm
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
+        self.grad_sample = grad_sample
         _, self._trainable, self._frozen = make_functional(module, strict=False)  # validated (strict)
         self._shadow = shadow(module)  # RNNs as their cell loops, every tensor shared (rnn.py)
         self._pairs = list(zip(module.modules(), self._shadow.modules()))
@@ -124,16 +161,20 @@ class PrivateModule(nn.Module):
     def _grad_fn(self, n_inputs: int):
         """The compiled clipped sum for ``n_inputs`` batch tensors (one per arity)."""
         if n_inputs not in self._grad_fns:
-            model = self._shadow
-
-            def example_loss(trainable, frozen, scale, v, *xs):  # scale <model(x_i), v_i>: row i's vjp
-                out = functional_call(model, {**frozen, **trainable}, tuple(x[None] for x in xs))
-                return (out * v[None]).sum() * scale
-
             self._grad_fns[n_inputs] = clipped_grad(
-                example_loss, self.max_grad_norm, batch_argnums=tuple(range(3, 4 + n_inputs)),
+                _example_loss(self._shadow), self.clipping_bounds, batch_argnums=tuple(range(3, 4 + n_inputs)),
                 **self._clip_args)
         return self._grad_fns[n_inputs]
+
+    def _grad_samples(self, scale: torch.Tensor, v: torch.Tensor, inputs: tuple) -> dict[str, torch.Tensor]:
+        """Every example's unclipped gradient, ``[B, *p.shape]`` per trainable parameter: Opacus'
+        ``p.grad_sample`` (of the per-example loss, a mean's 1/B undone, as Opacus scales it).
+        Eager ``vmap(grad)`` over the whole batch, apart from the compiled chunks: it holds every
+        per-example gradient at once (batch x the trainable parameters' bytes) and the batch's
+        activations for one more forward and backward, which is why it runs only on request."""
+        per_example = torch.func.vmap(torch.func.grad(_example_loss(self._shadow)), randomness="different",
+                                      in_dims=(None, None, None, 0, *(0,) * len(inputs)))
+        return per_example(self._trainable, self._frozen, scale, v, *inputs)
 
     def _accumulate(self, grad_out: torch.Tensor, inputs: tuple) -> None:
         batch = grad_out.shape[0]
@@ -142,7 +183,11 @@ class PrivateModule(nn.Module):
         # The mean's 1/B undone inside each example's loss (a tensor: no recompile per batch
         # size), not on a copy of grad_out: an LM's is [B, T, vocab].
         scale = torch.tensor(float(batch if self.loss_reduction == "mean" else 1), device=grad_out.device)
-        sums = self._grad_fn(len(inputs))(self._trainable, self._frozen, scale, grad_out.detach().contiguous(), *inputs)
+        v = grad_out.detach().contiguous()
+        if self.grad_sample:
+            for name, g in self._grad_samples(scale, v, inputs).items():
+                _add_grad_sample(self._trainable[name], g.detach())
+        sums = self._grad_fn(len(inputs))(self._trainable, self._frozen, scale, v, *inputs)
         if self.dist is not None:
             flat = torch.cat([s.reshape(-1) for s in sums.values()])
             torch.distributed.all_reduce(flat)
@@ -153,6 +198,13 @@ class PrivateModule(nn.Module):
                 p.grad = g
             else:
                 p.grad.add_(g)
+
+
+def _add_grad_sample(p: torch.Tensor, g: torch.Tensor) -> None:
+    """``p.grad_sample`` as Opacus keeps it: this backward's ``[B, *p.shape]``, or a list of
+    them when several backward calls come before ``zero_grad()``."""
+    held = getattr(p, "grad_sample", None)
+    p.grad_sample = g if held is None else [*held, g] if isinstance(held, list) else [held, g]
 
 
 class DPOptimizer:
@@ -208,6 +260,17 @@ class DPOptimizer:
         return self.module.max_grad_norm
 
     @property
+    def max_grad_norms(self) -> list[float]:
+        """Per-layer clipping's bounds, in the optimizer's parameter order (Opacus'
+        ``DPPerLayerOptimizer.max_grad_norms``); flat clipping has none (AttributeError)."""
+        bounds = self.module.clipping_bounds
+        if not isinstance(bounds, tuple):
+            raise AttributeError("max_grad_norms: this optimizer clips flat (one max_grad_norm); "
+                                 "clipping='per_layer' has a bound per parameter")
+        of = dict(zip(map(id, self.module._trainable.values()), bounds))
+        return [of[id(p)] for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    @property
     def expected_batch_size(self) -> int:
         return self.module.expected_batch_size
 
@@ -241,7 +304,11 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The user's optimizer's ``zero_grad``, except after a skipped step (a physical batch
         inside a logical one): then ``.grad`` holds the logical batch's clipped sum so far and
-        is kept (Opacus keeps its ``p.summed_grad`` then)."""
+        is kept (Opacus keeps its ``p.summed_grad`` then). ``p.grad_sample`` is cleared either
+        way, as Opacus does."""
+        for p in self.module._trainable.values():  # per-example gradients never outlive a step (as Opacus)
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = None
         if self._is_last_step_skipped:
             return
         self.original_optimizer.zero_grad(set_to_none)
@@ -262,6 +329,62 @@ def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
         raise ValueError(f"make_private: {name} must be a finite number {'>= 0' if allow_zero else '> 0'}, "
                          f"got {value!r}")
     return float(value)
+
+
+def _opacus_arguments(clipping: Any, grad_sample_mode: Any, batch_first: Any, wrap_model: Any, rand_on_empty: Any,
+                      rest: Mapping[str, Any], options: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """Check the arguments ``make_private`` shares with Opacus 1.6; return the fxmem ``options``
+    that ``grad_sample_mode`` implies. Names Opacus does not know raise ValueError listing the
+    ones it does; Opacus features fxmem does not have raise NotImplementedError naming them."""
+    if clipping == "adaptive":
+        raise NotImplementedError("make_private: clipping='adaptive' (Opacus' AdaClipDPOptimizer) is not "
+                                  f"supported by fxmem; use one of {CLIPPINGS}")
+    if clipping not in CLIPPINGS:
+        raise ValueError(f"make_private: clipping must be one of {CLIPPINGS}, got {clipping!r}")
+    if grad_sample_mode in UNSUPPORTED_GRAD_SAMPLE_MODES:
+        raise NotImplementedError(f"make_private: grad_sample_mode={grad_sample_mode!r} (Opacus: "
+                                  f"{UNSUPPORTED_GRAD_SAMPLE_MODES[grad_sample_mode]}) is not supported by "
+                                  f"fxmem; use one of {tuple(GRAD_SAMPLE_MODES)}")
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"make_private: grad_sample_mode must be one of {tuple(GRAD_SAMPLE_MODES)}, "
+                         f"got {grad_sample_mode!r}")
+    for name, value, fxmem_value, why in (
+            ("batch_first", batch_first, True, "fxmem takes the batch as dim 0 of every input"),
+            ("wrap_model", wrap_model, True, "fxmem's clipping runs in the module it returns"),
+            ("rand_on_empty", rand_on_empty, False, "fxmem runs empty Poisson batches as they are")):
+        if not isinstance(value, bool):
+            raise ValueError(f"make_private: {name} must be True or False, got {value!r}")
+        if value != fxmem_value:
+            raise NotImplementedError(f"make_private: {name}={value} is not supported by fxmem ({why})")
+    if rest:
+        adaptive = sorted(k for k in rest if k in OPACUS_OPTIMIZER_KWARGS)
+        if adaptive:
+            raise NotImplementedError(f"make_private: {adaptive} are Opacus' adaptive clipping arguments "
+                                      "(clipping='adaptive'), which fxmem does not support")
+        raise TypeError(f"make_private: unexpected arguments {sorted(rest)}")
+    if grad_sample_mode.startswith("ghost"):
+        if options is not None and options.get("ghost_clipping", True) is False:
+            raise ValueError(f"make_private: grad_sample_mode={grad_sample_mode!r} asks for ghost norms, "
+                             "options={'ghost_clipping': False} turns them off: pick one")
+        options = {**(options or {}), "ghost_clipping": True}
+    return options
+
+
+def _per_layer_bounds(max_grad_norm: Any, module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, ...]:
+    """Per-layer clipping's bounds in the module's trainable-parameter order, from
+    ``max_grad_norm`` given as Opacus takes it: one per parameter the optimizer steps, in the
+    optimizer's order."""
+    stepped = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not isinstance(max_grad_norm, (list, tuple)) or len(max_grad_norm) != len(stepped):
+        raise ValueError(f"make_private: clipping='per_layer' needs max_grad_norm as a list of {len(stepped)} "
+                         f"bounds (one per parameter the optimizer steps, in its order), got {max_grad_norm!r}")
+    bounds = {id(p): check_clipping_norm(c, "make_private (max_grad_norm)") for p, c in zip(stepped, max_grad_norm)}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in bounds]
+    if missing:
+        raise ValueError(f"make_private: clipping='per_layer': the optimizer does not step the trainable "
+                         f"parameters {missing}, so they have no bound")
+    return tuple(bounds[id(p)] for p in trainable)
 
 
 def _shard(loader: DataLoader, rank: int, world: int) -> DataLoader:
@@ -305,15 +428,35 @@ class PrivacyEngine:
         self.optimizers: list[DPOptimizer] = []
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     noise_multiplier: float, max_grad_norm: float, poisson_sampling: bool = True,
-                     loss_reduction: str = "mean", noise_generator: torch.Generator | None = None,
+                     noise_multiplier: float, max_grad_norm: float | list[float], criterion: Any = None,
+                     batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
+                     clipping: str = "flat", noise_generator: torch.Generator | None = None,
+                     grad_sample_mode: str = "hooks", wrap_model: bool = True, rand_on_empty: bool = False,
                      microbatch_size: int | str | None = 8, memory_budget=None,
-                     options: Mapping[str, Any] | None = None, strict: bool = True,
-                     ) -> tuple[PrivateModule, DPOptimizer, DataLoader]:
-        """``(module, optimizer, data_loader)`` that train privately in the user's loop.
-        ``microbatch_size``/``memory_budget``/``options`` go to :func:`clipped_grad` (the chunks
-        the per-example region runs in). ``strict``: refuse a module that DP-SGD cannot train
-        (:func:`validate`; ``fix`` repairs the usual cases)."""
+                     options: Mapping[str, Any] | None = None, strict: bool = True, grad_sample: bool = False,
+                     **opacus_kwargs: Any) -> tuple:
+        """``(module, optimizer, data_loader)`` that train privately in the user's loop;
+        ``(module, optimizer, criterion, data_loader)`` for the ``"ghost"`` modes, as Opacus.
+
+        Opacus' arguments keep their meaning: ``clipping="per_layer"`` with ``max_grad_norm`` a
+        list (one bound per parameter the optimizer steps, in its order; the noise is scaled by
+        their L2 norm), ``grad_sample_mode`` one of :data:`GRAD_SAMPLE_MODES` (how each maps to
+        fxmem is written there), ``criterion`` returned as it is by the ghost modes (fxmem's
+        clipping needs no wrapped loss). What fxmem cannot do is refused by name:
+        ``clipping="adaptive"`` and its optimizer arguments, ``batch_first=False``,
+        ``wrap_model=False``, ``rand_on_empty=True``, ``grad_sample_mode`` "ghost_tp"/"no_op".
+
+        fxmem's own: ``microbatch_size``/``memory_budget``/``options`` go to
+        :func:`clipped_grad` (the chunks the per-example region runs in); ``strict``: refuse a
+        module that DP-SGD cannot train (:func:`validate`; ``fix`` repairs the usual cases);
+        ``grad_sample``: also leave every example's unclipped gradient on ``p.grad_sample``
+        (``[B, *p.shape]``, Opacus' attribute) after each backward, at the cost of holding them
+        all at once plus one more eager forward and backward of the batch (off by default:
+        fxmem's chunks never materialize them)."""
+        options = _opacus_arguments(clipping, grad_sample_mode, batch_first, wrap_model, rand_on_empty,
+                                    opacus_kwargs, options)
+        if not isinstance(grad_sample, bool):
+            raise ValueError(f"make_private: grad_sample must be True or False, got {grad_sample!r}")
         if not isinstance(module, nn.Module):
             raise ValueError(f"make_private: module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -322,7 +465,8 @@ class PrivacyEngine:
             raise ValueError("make_private: data_loader must be a torch DataLoader with a batch_size, got "
                              f"{data_loader!r}")
         sigma = _positive("noise_multiplier", noise_multiplier, allow_zero=True)
-        C = check_clipping_norm(max_grad_norm, "make_private (max_grad_norm)")
+        if clipping == "flat":
+            C = check_clipping_norm(max_grad_norm, "make_private (max_grad_norm)")
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"make_private: loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
         _compile_options(microbatch_size, memory_budget, options)  # checked now, not at the first backward
@@ -333,6 +477,11 @@ class PrivacyEngine:
                                 if p.requires_grad):
             raise ValueError("make_private: the optimizer must step the module's trainable parameters "
                              "(and the module needs at least one)")
+        if clipping == "per_layer":
+            C = _per_layer_bounds(max_grad_norm, module, optimizer)
+        if noise_generator is not None and self.secure_mode:  # Opacus' own refusal: a seeded noise is guessable
+            raise ValueError("make_private: noise_generator cannot be given in secure mode (its noise comes from "
+                             "the OS CSPRNG; Opacus: 'Passing seed is prohibited in secure mode')")
         local = _local(data_loader)
         generator = noise_generator
         if self.secure_mode:
@@ -341,9 +490,12 @@ class PrivacyEngine:
         if poisson_sampling:
             sampler_gen = secure_generator() if self.secure_mode else None
             local = poisson_loader(local, sample_rate=sample_rate, steps=len(local), generator=sampler_gen)
-        private = PrivateModule(module, C, expected, loss_reduction, microbatch_size, memory_budget, options)
+        private = PrivateModule(module, C, expected, loss_reduction, microbatch_size, memory_budget, options,
+                                grad_sample)
         dp_opt = DPOptimizer(optimizer, private, sigma, sample_rate, self.accountant, generator, self.secure_mode)
         self.optimizers.append(dp_opt)
+        if grad_sample_mode.startswith("ghost"):
+            return private, dp_opt, criterion, local
         return private, dp_opt, local
 
     def make_private_with_epsilon(self, *, target_epsilon: float, target_delta: float, epochs: int,

@@ -1,7 +1,7 @@
 """The clipping epilogue that ``fxmem.dpsgd.clipped_grad`` runs after its ``vmap(grad(...))``:
 per-example norms, clip factors and the clip-weighted batch sums, as one function call.
 
-    *sums, norms = clip_and_sum(C, weighted, *leaves[, weights])
+    *sums, norms = clip_and_sum(C, weighted, *leaves[, weights])   # C: a float, or one per leaf
 
 Dynamo does not trace into it (``allow_in_graph``): the step's Dynamo graph holds one
 ``clip_and_sum`` node where it would otherwise hold ~10 nodes per parameter, each a few
@@ -56,12 +56,19 @@ def example_norms(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=1)
 
 
-def clip_and_sum(clipping_norm: float, weighted: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def clip_and_sum(clipping_norm: float | tuple[float, ...], weighted: bool,
+                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(*sums, norms)`` of the per-example gradient leaves ``tensors`` (``[B, *param]`` each;
     with ``weighted`` the last tensor is the examples' weights ``[B]``, 0 for the padding of a
     fixed-size chunk, which scale the clip factors). ``norms`` are the per-example norms before
-    clipping; the sums are in the accumulation dtype (float32, or wider where a leaf is), the
-    caller rounds them.
+    clipping (over all leaves); the sums are in the accumulation dtype (float32, or wider where a
+    leaf is), the caller rounds them.
+
+    ``clipping_norm`` is C (flat clipping: one factor per example from its norm over all leaves)
+    or a tuple with one bound per leaf (per-layer clipping, Opacus' ``clipping="per_layer"``: each
+    leaf's per-example slice is clipped to its own bound by its own norm; the example's whole
+    gradient then has norm <= the L2 norm of the bounds). Each factor is still a ``[B]`` vector
+    that weights one matrix-vector sum, the form ``ghost.py`` rewrites either way.
 
     Non-finite gradient elements count as 0 (opake's ``clip_pytree`` does the same): the norm
     and the clip factor stay finite, so one bad example cannot turn the whole sum into nan.
@@ -72,12 +79,18 @@ def clip_and_sum(clipping_norm: float, weighted: bool, *tensors: torch.Tensor) -
     acc = torch.float32
     for g in leaves:
         acc = torch.promote_types(acc, g.dtype)
-    norms = torch.linalg.vector_norm(torch.stack([example_norms(g, acc) for g in leaves], dim=1), dim=1)
-    factor = clip_factor(norms, clipping_norm, guard(acc, sum(math.prod(g.shape[1:]) for g in leaves)))
-    if weighted:
-        factor = factor * tensors[-1].to(acc)
+    leaf_norms = [example_norms(g, acc) for g in leaves]
+    norms = torch.linalg.vector_norm(torch.stack(leaf_norms, dim=1), dim=1)
+    weight = tensors[-1].to(acc) if weighted else None
+    if isinstance(clipping_norm, tuple):  # per layer: each leaf by its own norm and bound
+        factors = [clip_factor(n, c, guard(acc, math.prod(g.shape[1:])))
+                   for n, c, g in zip(leaf_norms, clipping_norm, leaves, strict=True)]
+        factors = factors if weight is None else [f * weight for f in factors]
+    else:  # flat: one factor for every leaf
+        factor = clip_factor(norms, clipping_norm, guard(acc, sum(math.prod(g.shape[1:]) for g in leaves)))
+        factors = [factor if weight is None else factor * weight] * len(leaves)
     with torch.autocast(norms.device.type, enabled=False):  # CUDA's autocast would run mv in half precision
-        sums = tuple(_weighted_sum(g if g.dtype == acc else g.to(acc), factor) for g in leaves)
+        sums = tuple(_weighted_sum(g if g.dtype == acc else g.to(acc), f) for g, f in zip(leaves, factors))
     return (*sums, norms)
 
 

@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping
 
 from ..compilation import compilations, last_step
 from .deep import LayerScaledReport
-from .model import ClusterRow, GraphReport, LoweringRow, MemoryReport
+from .memory import MemoryReport
+from .model import ClusterRow, GraphReport, LoweringRow
 from .publish import lowering_rows, publish
 
 __all__ = ["ClusterRow", "GraphReport", "LayerScaledReport", "LoweringRow", "MemoryReport", "explain",

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..options import parse_bytes
-from .model import MemoryReport, batch_peak, largest_batch
+from .memory import MemoryReport
+from .model import batch_peak, largest_batch
 
 
 @dataclass(frozen=True)

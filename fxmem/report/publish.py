@@ -11,13 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
 
 from ..compilation import Compilation
 from ..fallback import stage_failed
 from ..logs import trace_plan
 from ..lowering import PATTERNS
-from .model import LoweringRow, MemoryReport, build, inner_schedules, report_json_path
+from .memory import MemoryReport
+from .model import GraphReport, LoweringRow, as_events, build, report_json_path, taken
 from .render import lowering_lines, table
 
 if TYPE_CHECKING:
@@ -101,3 +105,43 @@ def _show(comp: Compilation, text: Callable[[], str]) -> None:
         log.info("%s", text())
     elif comp.options.report:
         print(text(), file=sys.stderr)
+
+
+def inner_schedules(rep: GraphReport, graph: "PlannedGraph") -> GraphReport:
+    """``rep`` with the forward's and backward's schedules the inner compiler's code states
+    (``graph.inner_code``: Inductor's wrapper, read by ``graph.inductor_code``), where it is there and
+    reads; else ``rep`` as it is (fxmem's simulation of the split's graphs). The crossing kept
+    values and tangents follow the backward's schedule."""
+    from ..graph.inductor_code import schedule
+    from ..graph.scratch import scratch_bytes
+
+    changes: dict[str, Any] = {}
+    values = {x.name: v for x, v in graph.sizes.values.items()}
+    fresh: list[bool] = []  # per forward output: a storage the forward allocated
+    try:
+        for kind, gm in (("forward", graph.split.fw), ("backward", graph.split.bw)):
+            code = graph.inner_code.get(kind)
+            if code is None:
+                continue
+            inputs = list(gm.graph.find_nodes(op="placeholder"))
+            counted = {n.name for n in inputs if kind == "backward" and n.name not in graph.primal_names}
+            if kind == "backward" and fresh:  # kept values that are the forward's copies (a weight
+                saved = [n.name for n in inputs if not n.name.startswith("tangents")]  # in channels-last)
+                counted |= {n for n, f in zip(saved, fresh[len(fresh) - len(saved):]) if f}
+            dtypes = {n.name: v.dtype for n in inputs if isinstance(v := n.meta.get("val"), torch.Tensor)}
+            scratch = {n.name: (str(n.target), b) for n in gm.graph.nodes
+                       if n.op == "call_function" and (b := scratch_bytes(n)) != 0}
+            made = {n.name: (str(n.target), n.meta.get("val")) for n in gm.graph.nodes if n.op == "call_function"}
+            events, returned = schedule(code, {n: graph.sizes.nbytes(p) for p in inputs if (n := p.name) in counted},
+                                        dtypes, counted, scratch, values, made)
+            if kind == "forward":
+                fresh = returned
+            changes[kind] = [[k, n, str(e)] for k, n, e in events]
+    except Exception as e:  # noqa: BLE001 - a report is about the compile, never its failure
+        log.debug("fxmem report: the inner compiler's code could not be read (%s: %s); the report keeps "
+                  "fxmem's simulation", type(e).__name__, e)
+        return rep
+    if "backward" in changes:
+        after = taken(graph.split, as_events(changes["backward"]))
+        changes["crossing"] = {**rep.crossing, **{k: str(v) for k, v in after.items()}}
+    return replace(rep, **changes) if changes else rep

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # model.py renders with these functions
+if TYPE_CHECKING:  # the data these functions render (memory.py prints a MemoryReport with them)
     from .model import GraphReport, LoweringRow
 
 

@@ -1,0 +1,204 @@
+"""A model's whole memory report: every graph fxmem compiled for it, as text, JSON and a plot.
+
+``MemoryReport`` is what ``fxmem.report(...)`` returns. It holds one ``GraphReport`` per graph
+(``model.py``: the data and the per-graph predictions) and predicts the whole step's peak across
+graph breaks (:func:`chained_peak`); its text and plot are the renderings of ``render.py``. It sits
+above both: the data model knows nothing of how it is printed, and the renderings know the data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+import sympy
+
+from ..graph.liveness import evaluate, peak
+from ..options import parse_bytes
+from .model import (
+    ClusterRow,
+    GraphReport,
+    LoweringRow,
+    batch_peak,
+    batch_values,
+    largest_batch,
+    optimizer_state_per_byte,
+)
+from .render import lowering_lines, per_example_lines, plot, table
+
+SCHEMA_VERSION = 1
+
+
+def _values_where_named(g: GraphReport, shapes: Mapping[str, Any]) -> dict[str, int]:
+    """``g.values_at`` for the shapes naming ``g``'s inputs (one graph of a step need not take
+    every input of the step)."""
+    names = {n.split(".size(")[0] for n in [*g.symbols.values(), *g.static_dims]} | set(g.symbols)
+    return g.values_at(**{k: v for k, v in shapes.items() if k in names})
+
+
+@dataclass(frozen=True)
+class Phases:
+    """One graph's part in a training step, in bytes at some shape (see :func:`chained_peak`):
+    its forward's and backward's peaks above what was alive before each, and what crosses from
+    one phase to the next (``GraphReport.crossing``)."""
+    forward: int     # the forward's peak (its intermediates; inputs not counted)
+    kept: int        # values kept for the backward (alive from the forward to the backward)
+    outputs: int     # the forward's other outputs (the next graph's inputs, or the loss)
+    backward: int    # the backward's peak (kept values, incoming gradients, its buffers and outputs)
+    tangents: int    # the incoming gradients of its outputs (the next graph's backward made them)
+    gradients: int   # what the backward returns: parameter gradients and its inputs' gradients
+
+    @classmethod
+    def of(cls, g: GraphReport, values: Mapping[str, int]) -> "Phases":
+        fw, bw = g._parsed
+        at = {k: evaluate(sympy.sympify(g.crossing.get(k, "0")), values)
+              for k in ("kept", "outputs", "tangents", "gradients")}
+        return cls(peak(fw, values).peak, at["kept"], at["outputs"], peak(bw, values).peak, at["tangents"],
+                   at["gradients"])
+
+
+def chained_peak(parts: list[Phases]) -> int:
+    """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
+    their forwards in order, then their backwards in reverse. Each forward runs above the kept
+    values and outputs of the graphs before it (a graph's outputs are the next one's inputs and
+    are alive until that one's backward, which usually keeps them); each backward runs above
+    those too and above the parameter gradients the later graphs' backwards left (their
+    inputs' gradients are this backward's incoming gradients, counted in its peak). One graph:
+    its own forward and backward peaks. Work between the graphs (code Dynamo ran eagerly) is
+    not seen."""
+    best = held = 0
+    for p in parts:
+        best = max(best, held + p.forward)
+        held += p.kept + p.outputs
+    grads = 0
+    for j in reversed(range(len(parts))):
+        p = parts[j]
+        held -= p.kept + p.outputs
+        best = max(best, held + grads + p.backward)
+        grads += p.gradients - (parts[j - 1].tangents if j else 0)
+    return best
+
+
+@dataclass
+class MemoryReport:
+    """Every graph fxmem compiled for a model, latest last."""
+
+    graphs: list[GraphReport]
+    plans: list = field(default_factory=list, repr=False)  # live plans (for frontiers), when known
+    per_example: list[dict] = field(default_factory=list)  # microbatching decisions (ChunkPlan.summary)
+    # Lowerings in graphs without a backward to plan (e.g. vmap(grad(...)) with no outer
+    # backward): {"rows": [LoweringRow as dict], "notes": [str]} per graph.
+    unplanned_lowerings: list[dict] = field(default_factory=list)
+    # What Dynamo ran outside fxmem's graphs in this process: with no graphs, the frames it
+    # could not trace (why it ran the code eagerly); else its graph breaks (what runs between).
+    dynamo_unsupported: list[str] = field(default_factory=list)
+    # The latest step's graphs (indices into ``graphs``) in the order their forwards ran, a graph
+    # once per call: several where graph breaks split the step. Empty: the latest graph alone.
+    step: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
+        for u in self.unplanned_lowerings:
+            rows = [LoweringRow(**r) for r in u["rows"]]
+            parts.append("\n".join(["graph without a backward to plan:", *lowering_lines(rows, u["notes"])]))
+        if parts:
+            if self.graphs and self.dynamo_unsupported:
+                parts.append("\n".join(["Dynamo ran outside these graphs (graph breaks in this process):",
+                                        *[f"  {u}" for u in self.dynamo_unsupported]]))
+            return "\n\n".join(parts)
+        lines = ["fxmem: no graphs compiled (Dynamo handed fxmem nothing to plan: it ran the model eagerly)"]
+        if self.dynamo_unsupported:
+            lines += ["Dynamo could not trace, in this process:", *[f"  {u}" for u in self.dynamo_unsupported]]
+        return "\n".join(lines)
+
+    def _graph(self) -> GraphReport:
+        if not self.graphs:
+            raise ValueError("the report holds no graphs: nothing was compiled with backend='fxmem'")
+        return self.graphs[-1]
+
+    def step_graphs(self) -> list[GraphReport]:
+        """The graphs of the latest step, in the order their forwards ran (a graph once per call);
+        the latest graph alone when the step is not known (a report read from JSON without it)."""
+        return [self.graphs[i] for i in self.step] if self.step else [self._graph()]
+
+    def predict_peak(self, **shapes: Any) -> int:
+        """Predicted peak bytes of a training step at the given input shapes: the whole step,
+        every graph of it where graph breaks split it (:func:`chained_peak`); shapes apply to
+        the graphs that take inputs of those names."""
+        graphs = self.step_graphs()
+        if len(graphs) == 1:
+            return graphs[0].predict_peak(**shapes)
+        return self._chained(lambda g: _values_where_named(g, shapes))
+
+    def _chained(self, values_of: Callable[[GraphReport], dict[str, int]]) -> int:
+        order = self.step or [len(self.graphs) - 1]
+        parts = {i: Phases.of(self.graphs[i], values_of(self.graphs[i])) for i in set(order)}
+        return chained_peak([parts[i] for i in order])
+
+    def peak_breakdown(self, **shapes: Any) -> dict:
+        """Tensors alive at the predicted peak at the given input shapes (latest graph); see
+        ``GraphReport.peak_breakdown``."""
+        return self._graph().peak_breakdown(**shapes)
+
+    def max_batch(self, cap: int | str, limit: int = 1 << 20, optimizer: str | float | None = None,
+                  **shapes: Any) -> int:
+        """Largest batch (dimension 0 of the inputs) whose step fits in ``cap`` on the device:
+        the parameters and buffers, the optimizer's state, and the step's predicted peak (which
+        holds the gradients).
+
+        ``optimizer``: None (no state), "sgd" (none), "momentum" (one buffer per trainable
+        parameter), "adam"/"adamw" (two), or bytes of state per byte of trainable parameter.
+        Other dimensions by keyword: ``seq=2048`` sets dimension 1, or give inputs by name
+        (``input_ids=(1, 2048)``: its first entry is replaced by each candidate batch).
+        """
+        state, cap_bytes = self.resident_bytes(optimizer), parse_bytes(cap, "cap")
+        if len(self.step_graphs()) == 1:
+            peak_of = batch_peak(self.step_graphs()[0], shapes)
+        else:  # every graph of the step at the candidate batch (dimension 0 of each one's inputs)
+            values = {id(g): batch_values(g, shapes) for g in self.step_graphs()}
+            peak_of = lambda b: self._chained(lambda g: values[id(g)](b))  # noqa: E731
+        return largest_batch(lambda b: state + peak_of(b) <= cap_bytes, limit)
+
+    def resident_bytes(self, optimizer: str | float | None = None) -> int:
+        """Bytes alive across steps (latest graph): parameters, buffers and the optimizer's state
+        (see ``max_batch``)."""
+        g = self._graph()
+        return g.model_bytes + int(optimizer_state_per_byte(optimizer) * g.trainable_bytes)
+
+    def to_dict(self) -> dict:
+        return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
+                "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
+                "dynamo_unsupported": self.dynamo_unsupported, "step": self.step}
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str) -> "MemoryReport":
+        text = path_or_text
+        if not path_or_text.lstrip().startswith("{"):
+            with open(path_or_text) as f:
+                text = f.read()
+        data = json.loads(text)
+        if data.get("fxmem_report") != SCHEMA_VERSION:
+            raise ValueError(f"not an fxmem report of schema {SCHEMA_VERSION}: {str(data)[:80]}")
+        graphs = []
+        for g in data["graphs"]:
+            g = dict(g, clusters=[ClusterRow(**c) for c in g["clusters"]],
+                     lowerings=[LoweringRow(**r) for r in g.get("lowerings", [])])
+            graphs.append(GraphReport(**g))
+        return cls(graphs, per_example=data.get("per_example", []),
+                   unplanned_lowerings=data.get("unplanned_lowerings", []),
+                   dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []))
+
+    def plot(self, path: str) -> str:
+        """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
+        g = self._graph()
+        if not g.frontier and self.plans:
+            g.frontier.extend([list(p) for p in self.plans[-1].frontier()])
+        return plot(g, path)
