@@ -22,7 +22,7 @@ from torch._dynamo.exc import ShortenTraceback
 
 from fxmem_kernels._common import ENV_TRITON, env_flag
 
-from .step_in_backward import check_optimizer
+from .step_in_backward.runtime import check_optimizer
 
 ENV_LEVEL = "FXMEM_MEMORY_OPT_LEVEL"
 ENV_CONFIG = "FXMEM_MEMORY_OPT_CONFIG"

@@ -28,7 +28,7 @@ from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
-from ..step_in_backward import Rewritten, rewrite
+from ..step_in_backward.graph import Rewritten, rewrite
 from .budget import BudgetError
 from .compromise import pack_masks
 from .context import PlanContext

@@ -1,33 +1,7 @@
-"""``options={"step_in_backward": optimizer}``: each parameter's optimizer step runs inside the
-compiled backward as soon as its gradient is final, and the gradient dies there.
+"""The runtime of ``step_in_backward`` (see the package): the option's check, each parameter's
+slot, the update of one parameter, the end-of-backward pass, the user's ``optimizer.step()``, and
+the op ``fxmem::step_in_backward`` that a rewritten backward calls."""
 
-A compiled backward returns every parameter gradient at once, so at its end all of them are
-alive (as many bytes as the weights); an optimizer step in a post-accumulate-grad hook cannot
-help there. fxmem rewrites the backward graph instead (:func:`rewrite`): each gradient that the
-graph returns for a parameter of ``optimizer`` is handed to ``fxmem::step_in_backward`` where it
-is computed, after the last read of that parameter (or of a view of it) in the backward, and the
-graph returns None in its place. The op looks the parameter up by a key baked into the graph
-(:class:`InBackward` owns the table) and runs the optimizer's own step function on that one
-parameter, with its group's hyperparameters as they are now (LR schedulers work), its state in
-``optimizer.state`` (``state_dict()`` saves and restores it), and its gradient then dropped.
-For every optimizer whose update of a parameter reads only that parameter's gradient and state
-(SGD, Adam, AdamW and the other per-parameter ones in :data:`SUPPORTED`) this is the step a full
-backward then ``optimizer.step()`` would take: the same function on the same numbers.
-
-What a graph cannot finish (a parameter that another compiled graph or plain PyTorch code also
-reads, a graph that fell back to the safe plan) is accumulated in ``.grad`` (by autograd, with a
-post-accumulate-grad hook, or by the op) and the parameter is updated when the backward ends
-(``queue_callback``), from its whole gradient. Which parameters those are shows in the first
-backward, which accumulates every gradient so (its peak is a plain step's); from the second on
-the others are updated early. Only a use that appears later (plain PyTorch code reading a
-parameter after a data-dependent branch) cannot be repaired for that step: it raises, and the
-parameter is accumulated from then on.
-
-The user's loop is ``loss.backward()`` (then the scheduler's ``step()``): ``optimizer.step()``
-is a no-op after it (one warning), and ``zero_grad()`` finds no gradient to clear. What needs every
-gradient before any update cannot work in one pass and raises: a closure, gradient accumulation
-(``step()`` after several backwards).
-"""
 
 from __future__ import annotations
 
@@ -36,10 +10,9 @@ import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.fx as fx
 from torch import Tensor
 
 log = logging.getLogger("fxmem")
@@ -100,7 +73,9 @@ class _Slot:
     mine: Any = None  # (.grad, its version) as the op left it, accumulating
 
 
-_SLOTS: list[_Slot] = []  # the op's key -> its slot (keys are baked into compiled graphs)
+# The op's key (its slot's id) -> the slot: keys are baked into compiled graphs, which hold their
+# options, which hold the InBackward owning the slots; weak, so that it holds nothing alive.
+_SLOTS: "weakref.WeakValueDictionary[int, _Slot]" = weakref.WeakValueDictionary()
 
 
 class InBackward:
@@ -108,12 +83,10 @@ class InBackward:
     of one parameter, the end-of-backward pass for the gradients autograd accumulated, and the
     user's ``optimizer.step()`` made a no-op. One per optimizer (:meth:`of`)."""
 
-    _by_optimizer: "weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward]" = weakref.WeakKeyDictionary()
-
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self._step = _raw_step(optimizer)
-        self._slots: dict[int, int] = {}  # id(param) -> key
+        self._slots: dict[int, _Slot] = {}  # id(param) -> its slot
         self._queued = False
         self._warned = False
         self._user_stepped = False  # optimizer.step() was called since the option was given
@@ -124,21 +97,22 @@ class InBackward:
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> "InBackward":
-        found = cls._by_optimizer.get(optimizer)
+        """The optimizer's runtime, made at its first compile (kept on the optimizer)."""
+        found = getattr(optimizer, "_fxmem_in_backward", None)
         if found is None:
-            found = cls._by_optimizer[optimizer] = cls(optimizer)
+            found = optimizer._fxmem_in_backward = cls(optimizer)
         return found
 
     def __repr__(self) -> str:  # stable: goes into the report's options
         return f"InBackward({type(self.optimizer).__name__})"
 
     def _key(self, p: Tensor) -> int:
-        key = self._slots.get(id(p))
-        if key is None or _SLOTS[key].param is not p:
-            key = self._slots[id(p)] = len(_SLOTS)
-            _SLOTS.append(_Slot(self, p, _param_name(self.optimizer, p)))
+        slot = self._slots.get(id(p))
+        if slot is None or slot.param is not p:
+            slot = self._slots[id(p)] = _Slot(self, p, _param_name(self.optimizer, p))
+            _SLOTS[id(slot)] = slot
             p.register_post_accumulate_grad_hook(self._accumulated)
-        return key
+        return id(slot)
 
     def keys(self, inputs: Sequence[Any], frame: Any, names: Sequence[str] = ()) -> dict[int, int]:
         """Graph input index -> key, for the inputs that are this optimizer's parameters, claimed
@@ -151,7 +125,7 @@ class InBackward:
         for i, t in enumerate(inputs):
             if isinstance(t, Tensor) and id(t) in mine and t.requires_grad:
                 key = self._key(t)
-                slot = _SLOTS[key]
+                slot = _SLOTS[key]  # (alive: self._slots holds it)
                 if i < len(names) and names[i]:
                     slot.name = _dotted(names[i])
                 slot.frames.add(frame)
@@ -199,7 +173,7 @@ class InBackward:
         """Autograd accumulated a gradient into ``p.grad`` (plain PyTorch code, a graph that fell
         back): the update when the backward ends, from the whole gradient. (Autograd runs the
         hook for the None a compiled backward returns for a parameter it updated, too.)"""
-        slot = _SLOTS[self._slots[id(p)]]
+        slot = self._slots[id(p)]
         if p.grad is None or (slot.mine is not None and slot.mine[0] is p.grad and slot.mine[1] == p.grad._version):
             return
         if slot.in_graph:
@@ -217,8 +191,7 @@ class InBackward:
     def _abandon(self) -> None:
         """This backward stops with an error: no update when it ends, no gradient left for the next."""
         self._queued = False
-        for key in self._slots.values():
-            slot = _SLOTS[key]
+        for slot in self._slots.values():
             slot.param.grad = None
             slot.in_graph = slot.updated_early = False
             slot.mine = None
@@ -230,8 +203,7 @@ class InBackward:
 
     def _backward_ended(self) -> None:
         self._queued = False
-        for key in self._slots.values():
-            slot = _SLOTS[key]
+        for slot in self._slots.values():
             if slot.param.grad is not None:
                 self.update(slot, slot.param.grad)
             slot.probed |= slot.in_graph  # its uses are known: the next backward updates it early
@@ -244,7 +216,7 @@ class InBackward:
             raise StepInBackwardError(
                 "fxmem step_in_backward: optimizer.step(closure) cannot run: the updates run inside the "
                 "backward, one pass per step. Call loss = closure() (which runs backward) instead")
-        slots = [_SLOTS[k] for k in self._slots.values()]
+        slots = list(self._slots.values())
         many = [s.name for s in slots if s.updated > 1]
         for s in slots:
             s.updated = 0
@@ -261,6 +233,11 @@ class InBackward:
                           "in the backward (and zero_grad() finds no gradient); call only loss.backward() and the "
                           "LR scheduler's step()", UserWarning, stacklevel=3)
         return step()
+
+
+def slot(key: int) -> _Slot:
+    """The slot of an op's key (its compiled graph's options keep it alive)."""
+    return _SLOTS[key]
 
 
 def _raw_step(opt: torch.optim.Optimizer) -> Callable:
@@ -311,8 +288,7 @@ def step_in_backward(grad: Tensor, after: list[Tensor], key: int) -> None:
     ``grad`` is declared written so that no compiler drops the op, which returns nothing; the
     parameter is not declared (a declared write bumps its version counter, and an earlier
     graph's backward that saved it for later would refuse to run)."""
-    slot = _SLOTS[key]
-    slot.owner.in_graph(slot, grad)
+    slot(key).owner.in_graph(slot(key), grad)
 
 
 @step_in_backward.register_fake
@@ -320,89 +296,3 @@ def _(grad, after, key):
     return None
 
 
-# -- the graph pass ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rewritten:
-    """What :func:`rewrite` did to one backward: the keys it updates, in graph order."""
-    keys: tuple[int, ...]
-
-    def names(self) -> list[str]:
-        return [_SLOTS[k].name for k in self.keys]
-
-
-def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: Mapping[int, int], in_order: bool = True) -> Rewritten:
-    """``bw`` (in place) with each gradient of a graph input in ``keys`` (input index -> key)
-    handed to ``fxmem::step_in_backward`` and None returned in its place. The op is placed
-    after the gradient and after the last read of any backward value sharing the parameter's
-    storage (the parameter itself, views of it the forward saved, views of those). Unless the
-    inner compiler runs the graph ``in_order``, the op also takes what those reads computed."""
-    from .graph.liveness import storage_roots
-
-    out = bw.graph.output_node()
-    descs = out.meta.get("desc")
-    grads = list(out.args[0])
-    if not keys or descs is None or len(descs) != len(grads):
-        return Rewritten(())
-    fw_nodes = {n.name: n for n in fw.graph.nodes}
-    fw_root = storage_roots(fw)
-    bw_root = storage_roots(bw)
-    order = {n: i for i, n in enumerate(bw.graph.nodes)}
-
-    def input_index(n: fx.Node) -> int | None:
-        """The graph input whose storage a backward placeholder shares, or None."""
-        src = fw_nodes.get(n.name)
-        if src is None:
-            return None
-        root = fw_root.get(src, src)
-        return _input_index(root.meta.get("desc")) if root.op == "placeholder" else None
-
-    views: dict[int, list[fx.Node]] = {}  # input index -> backward nodes sharing its storage
-    for p in bw.graph.find_nodes(op="placeholder"):
-        i = input_index(p)
-        if i is not None:
-            views.setdefault(i, []).append(p)
-    sharing: dict[int, set[fx.Node]] = {}
-    placeholders_of = {p: i for i, ps in views.items() for p in ps}
-    for n, root in bw_root.items():
-        if root in placeholders_of:
-            sharing.setdefault(placeholders_of[root], set()).add(n)
-    done = []
-    for pos, (grad, desc) in enumerate(zip(grads, descs)):
-        i = _grad_of(desc)
-        if not isinstance(grad, fx.Node) or i not in keys:
-            continue
-        views_of = sharing.get(i, set())
-        readers = {u for n in views_of for u in n.users if u.op != "output" and u not in views_of}
-        after = max([grad, *readers], key=order.__getitem__)
-        with bw.graph.inserting_after(after):
-            node = bw.graph.call_function(torch.ops.fxmem.step_in_backward.default,
-                                          (grad, [] if in_order else _tensors(readers, order), keys[i]))
-        node.meta["val"] = None
-        order[node] = order[after] + 0.5
-        grads[pos] = None
-        done.append((order[node], keys[i]))
-    if done:
-        out.args = (tuple(grads),)
-        bw.graph.lint()
-        bw.recompile()
-    return Rewritten(tuple(k for _, k in sorted(done)))
-
-
-def _tensors(nodes: Iterable[fx.Node], order: Mapping[fx.Node, float]) -> list[fx.Node]:
-    """The tensors ``nodes`` compute (an op returning several: its getitems), in graph order."""
-    out = []
-    for n in nodes:
-        out += [n] if isinstance(n.meta.get("val"), Tensor) else \
-            [u for u in n.users if isinstance(u.meta.get("val"), Tensor)]
-    return sorted(set(out), key=order.__getitem__)
-
-
-def _input_index(desc: Any) -> int | None:
-    idx = getattr(desc, "idx", None)
-    return idx if type(desc).__name__ == "PlainAOTInput" and isinstance(idx, int) else None
-
-
-def _grad_of(desc: Any) -> int | None:
-    return _input_index(getattr(desc, "grad_of", None))
