@@ -298,7 +298,8 @@ for _inner in ("eager", "inductor"):
 # The optimizer's step in the backward (issue "[release]"): fxmem's defaults at level 1, with the
 # step's optimizer (bench/worker.py --optimizer) run inside the backward.
 for _inner in ("eager", "inductor"):
-    CONFIGS.append(Config(f"fxmem-{_inner}-level1-defaults", "fxmem", {"inner": _inner, "level": 1, "lowering": "default"},
+    CONFIGS.append(Config(f"fxmem-{_inner}-level1-defaults", "fxmem",
+                          {"inner": _inner, "level": 1, "lowering": "default"},
                           description=f"fxmem level 1, default lowering, {_inner} inner compiler"))
     CONFIGS.append(Config(f"fxmem-{_inner}-level1-defaults+step_in_backward", "fxmem",
                           {"inner": _inner, "level": 1, "lowering": "default", "step_in_backward": True},
