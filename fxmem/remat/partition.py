@@ -14,7 +14,7 @@ import gc
 import hashlib
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
@@ -28,7 +28,7 @@ from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
-from ..step_in_backward.graph import Rewritten, rewrite
+from ..step_in_backward.graph import Rewritten, released_outputs, rewrite
 from .budget import BudgetError
 from .compromise import pack_masks
 from .context import PlanContext
@@ -91,7 +91,7 @@ def _planned(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings):
     """Stages joint graph, sizes, plan: (joint, sizes, plan, its simulated step peak or None)."""
     joint = joint_graph(gm, num_fwd_outputs, settings)
     sizes = SymbolicSizes.of(gm, settings.plan_shape)
-    ctx = PlanContext.of(joint, sizes, settings.target)
+    ctx = PlanContext.of(joint, sizes, settings.target, released_outputs(joint, settings.in_backward))
     chosen = plan(ctx, settings)
     return joint, sizes, chosen, ctx
 
@@ -165,7 +165,8 @@ class Partitioner(CustomPartitionerFn):
 
     def __init__(self, settings: PlanSettings | Options, compared: Compared | None = None,
                  in_backward: Mapping[int, int] = MappingProxyType({})):
-        self.settings = settings if isinstance(settings, PlanSettings) else PlanSettings.of(settings)
+        settings = settings if isinstance(settings, PlanSettings) else PlanSettings.of(settings)
+        self.settings = replace(settings, in_backward=frozenset(in_backward))
         self.compared = compared  # the lowering's compared regions: plan with and without them
         # graph input index -> ``fxmem::step_in_backward`` key: the parameters whose optimizer
         # step the backward runs (``step_in_backward``, applied to the split's backward)

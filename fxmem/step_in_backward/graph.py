@@ -79,6 +79,16 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: Mapping[int, int], in_
     return Rewritten(tuple(k for _, k in sorted(done)))
 
 
+def released_outputs(joint: Any, inputs: frozenset[int]) -> frozenset[fx.Node]:
+    """The joint graph's backward outputs that are gradients of ``inputs`` (graph input indices):
+    with ``step_in_backward`` they die where they are made, which the planner's simulator counts."""
+    descs = joint.gm.graph.output_node().meta.get("desc")
+    if not inputs or descs is None:
+        return frozenset()
+    grads = descs[len(joint.fwd_outputs):]
+    return frozenset(o for o, d in zip(joint.bwd_outputs, grads) if isinstance(o, fx.Node) and _grad_of(d) in inputs)
+
+
 def _tensors(nodes: Iterable[fx.Node], order: Mapping[fx.Node, float]) -> list[fx.Node]:
     """The tensors ``nodes`` compute (an op returning several: its getitems), in graph order."""
     out = []
