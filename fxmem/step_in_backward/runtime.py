@@ -103,6 +103,14 @@ class InBackward:
             found = optimizer._fxmem_in_backward = cls(optimizer)
         return found
 
+    def state_kind(self) -> str | None:
+        """The ``optimizer`` name whose state ``fit`` reserves (``fxmem.options.OPTIMIZER_STATE``):
+        the optimizer's own, where it is one of those; None (the default) otherwise."""
+        opt = self.optimizer
+        if type(opt) is torch.optim.SGD:
+            return "momentum" if any(g.get("momentum", 0) for g in opt.param_groups) else "sgd"
+        return {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(opt))
+
     def __repr__(self) -> str:  # stable: goes into the report's options
         return f"InBackward({type(self.optimizer).__name__})"
 
