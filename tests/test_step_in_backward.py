@@ -428,3 +428,42 @@ def test_under_ddp_on_two_gloo_ranks_it_is_refused_with_the_reason(tmp_path):
     for r in range(WORLD):
         text = (tmp_path / f"{r}.txt").read_text()
         assert "torch.distributed runs 2 processes" in text and "call optimizer.step() after backward()" in text
+
+
+def _step_temporaries(make, dtype) -> tuple[int, int]:
+    """(the peak bytes one optimizer step allocates over those alive before it, the parameter's
+    bytes); its state exists: the third step is measured."""
+    p = nn.Parameter(torch.randn(1 << 14, dtype=dtype))
+    opt = make([p])
+    for i in range(3):
+        p.grad = torch.randn_like(p)
+        if i < 2:
+            opt.step()
+            continue
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            opt.step()
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak, p.numel() * p.element_size()
+
+
+@pytest.mark.parametrize("make", [
+    lambda q: torch.optim.SGD(q, lr=0.1), lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9),
+    lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    lambda q: torch.optim.SGD(q, lr=0.1, maximize=True), lambda q: torch.optim.Adam(q),
+    lambda q: torch.optim.Adam(q, weight_decay=0.01), lambda q: torch.optim.Adam(q, amsgrad=True),
+    lambda q: torch.optim.AdamW(q), lambda q: torch.optim.AdamW(q, maximize=True),
+    lambda q: torch.optim.AdamW(q, foreach=True), lambda q: torch.optim.AdamW(q, fused=True),
+    lambda q: torch.optim.RMSprop(q), lambda q: torch.optim.Adagrad(q),
+], ids=["sgd", "momentum", "nesterov_wd", "sgd_maximize", "adam", "adam_wd", "amsgrad", "adamw", "adamw_maximize",
+        "adamw_foreach", "adamw_fused", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_simulators_optimizer_temporaries_are_measured(make, dtype):
+    from fxmem.step_in_backward.runtime import scratch_per_byte
+
+    opt = make([nn.Parameter(torch.zeros(1))])
+    measured, nbytes = _step_temporaries(make, dtype)
+    assert abs(scratch_per_byte(opt, opt.param_groups[0]) * nbytes - measured) <= 16  # (scalar steps, lr tensors)
