@@ -136,13 +136,19 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
 
     # 1. first step: compilation + one step
     zero()
+    before = [p.detach().clone() for p in params] if opt is not None else None
     t0 = time.perf_counter()
     loss = step()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     result["loss"] = loss.item()
-    result["grad_norm"] = None if opt is not None else _grad_norm(model)  # (with an optimizer: no gradients left)
+    if opt is None:
+        result["grad_norm"] = _grad_norm(model)
+    else:  # the first update's norm (a step in the backward leaves no gradient to compare)
+        result["update_norm"] = math.sqrt(sum(float((p.detach().double() - b.double()).square().sum())
+                                              for p, b in zip(params, before)))
+        del before
     graphs_after_first = counters["stats"].get("unique_graphs", 0)
     del loss
     if cfg.kind == "fxmem":
