@@ -214,7 +214,7 @@ def _loss_only(model):
     return LossOnly(model)
 
 
-def _fxmem(model, cfg: Config):
+def _fxmem(model, cfg: Config, optimizer=None):
     import torch
 
     import fxmem  # noqa: F401  (registers the backend even without the entry point)
@@ -227,6 +227,10 @@ def _fxmem(model, cfg: Config):
         del opts["lowering"]
     else:
         opts.setdefault("lowering", False)
+    if opts.get("step_in_backward"):  # the step's optimizer (bench/worker.py --optimizer)
+        if optimizer is None:
+            raise Skip("step_in_backward needs an optimizer: run with --optimizer")
+        opts["step_in_backward"] = optimizer
     if opts.pop("loss_only", False):
         if not hasattr(model, "loss_function"):
             raise Skip("loss_only applies to Hugging Face models (the others return only their loss)")
@@ -291,6 +295,16 @@ for _inner in ("eager", "inductor"):
     CONFIGS.append(Config(f"fxmem-{_inner}+lowering", "fxmem", {"inner": _inner, "lowering": True},
                           description=f"fxmem, {_inner} inner compiler, every lowering pattern "
                                       "(the HF model also returns its logits)"))
+# The optimizer's step in the backward (issue "[release]"): fxmem's defaults at level 1, with the
+# step's optimizer (bench/worker.py --optimizer) run inside the backward.
+for _inner in ("eager", "inductor"):
+    CONFIGS.append(Config(f"fxmem-{_inner}-level1-defaults", "fxmem",
+                          {"inner": _inner, "level": 1, "lowering": "default"},
+                          description=f"fxmem level 1, default lowering, {_inner} inner compiler"))
+    CONFIGS.append(Config(f"fxmem-{_inner}-level1-defaults+step_in_backward", "fxmem",
+                          {"inner": _inner, "level": 1, "lowering": "default", "step_in_backward": True},
+                          description=f"fxmem level 1, default lowering, {_inner} inner compiler, the optimizer's "
+                                      "step in the backward"))
 # fxmem's default options (issue "[defaults]"): lowering on for every pattern but dropout, as the backend decides.
 for _inner in ("eager", "inductor"):
     CONFIGS.append(Config(f"fxmem-{_inner}-defaults+loss_only", "fxmem",
@@ -380,6 +394,9 @@ def split_specs(text: str) -> list[str]:
     return [s.strip() for s in out if s.strip()]
 
 
-def build(model, cfg: Config):
-    """The callable a step calls in place of ``model``; raises Skip if ``cfg`` does not apply."""
+def build(model, cfg: Config, optimizer=None):
+    """The callable a step calls in place of ``model``; raises Skip if ``cfg`` does not apply.
+    ``optimizer``: the step's (a configuration with ``step_in_backward`` runs it in the backward)."""
+    if cfg.kind == "fxmem":
+        return _fxmem(model, cfg, optimizer)
     return KINDS[cfg.kind](model, cfg)

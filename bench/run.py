@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 import configs  # noqa: E402
 import harness  # noqa: E402
-from worker import AUTOCAST, RESULT_PREFIX  # noqa: E402
+from worker import AUTOCAST, OPTIMIZERS, RESULT_PREFIX  # noqa: E402
 
 LOSS_RTOL = 1e-5  # first-step loss vs eager
 GRAD_RTOL = 1e-4  # first-step gradient norm vs eager
@@ -38,6 +38,9 @@ GRAD_RTOL = 1e-4  # first-step gradient norm vs eager
 # ops round each step (fxmem's lowering) is a few 16-bit roundings away (tests/integration/test_autocast.py
 # measures gradient entries within 6.3e-3 x the largest); the bound is one bf16 rounding (2**-8).
 AMP_LOSS_RTOL, AMP_GRAD_RTOL = 1e-4, 2 ** -8
+# With --optimizer: the norm of the first update vs eager's. Adam's first update is lr x sign(g)
+# per entry, so this mostly catches a parameter not updated (or updated twice).
+UPDATE_RTOL = 1e-3
 MIB = 2**20
 
 
@@ -83,6 +86,8 @@ def run_one(model: str, spec: str, a: argparse.Namespace, autocast: str = "off")
            "--device", a.device, "--autocast", autocast]
     if a.quick:
         cmd.append("--quick")
+    if a.optimizer:
+        cmd += ["--optimizer", a.optimizer]
     env = dict(os.environ)
     if a.threads > 0:
         cmd += ["--threads", str(a.threads)]
@@ -148,6 +153,12 @@ def annotate(results: list[dict]) -> None:
     """Add ratios to eager and the loss / gradient check to every ok result, in place."""
     ok = [r for r in results if r["status"] == "ok"]
     base = {_key(r): r for r in ok if r["config"] == configs.BASELINE}
+    ckpt = {_key(r): r for r in ok if r["config"] == "eager+hf_ckpt"}
+    for r in ok:
+        if r.get("predicted_peak_bytes") and r.get("peak_bytes"):
+            r["predicted_vs_measured"] = r["predicted_peak_bytes"] / r["peak_bytes"]
+        if _key(r) in ckpt and ckpt[_key(r)]["peak_bytes"] and r.get("peak_bytes"):
+            r["peak_vs_hf_ckpt"] = r["peak_bytes"] / ckpt[_key(r)]["peak_bytes"]
     inductor = {_key(r): r for r in ok if r["config"] == "inductor"}
     for r in ok:
         b = base.get(_key(r))
@@ -169,13 +180,18 @@ def annotate(results: list[dict]) -> None:
                 continue
             ref, against = inductor[_key(r)], " vs inductor"
         r["loss_rel_diff"] = _rel(r["loss"], ref["loss"])
-        r["grad_norm_rel_diff"] = _rel(r["grad_norm"], ref["grad_norm"])
         amp = r.get("autocast", "off") != "off"
         bad = []
         if not r["loss_rel_diff"] <= (AMP_LOSS_RTOL if amp else LOSS_RTOL):
             bad.append(f"loss {r['loss_rel_diff']:.1e}")
-        if not r["grad_norm_rel_diff"] <= (AMP_GRAD_RTOL if amp else GRAD_RTOL):
-            bad.append(f"grad {r['grad_norm_rel_diff']:.1e}")
+        if r.get("optimizer"):  # the first update's norm (no gradient outlives a step in the backward)
+            r["update_norm_rel_diff"] = _rel(r["update_norm"], ref["update_norm"])
+            if not r["update_norm_rel_diff"] <= UPDATE_RTOL:
+                bad.append(f"update {r['update_norm_rel_diff']:.1e}")
+        else:
+            r["grad_norm_rel_diff"] = _rel(r["grad_norm"], ref["grad_norm"])
+            if not r["grad_norm_rel_diff"] <= (AMP_GRAD_RTOL if amp else GRAD_RTOL):
+                bad.append(f"grad {r['grad_norm_rel_diff']:.1e}")
         r["check"] = ("ok" if not bad else "MISMATCH " + ", ".join(bad)) + against
 
 
@@ -195,7 +211,8 @@ def first_line(r: dict) -> str:
 def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
     """``<out_dir>/<name>.json`` and ``.md`` through the harness (table spec ``run``)."""
     annotate(doc["results"])
-    return harness.write(name, doc["results"], out_dir, meta=doc["meta"], run=doc["run"], spec="run")
+    return harness.write(name, doc["results"], out_dir, meta=doc["meta"], run=doc["run"],
+                         spec="release" if doc["run"].get("optimizer") else "run")
 
 
 def _summary(r: dict) -> str:
@@ -225,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--autocast", default="off",
                    help="comma-separated, each of " + "/".join(AUTOCAST) + ": run every (model, config) with forward "
                         "and loss under torch.autocast in that dtype (off: without); default off")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                   help="an optimizer step in every step, after the backward (inside it for a configuration with "
+                        "fxmem's step_in_backward); default none: forward and backward only")
     p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
                    help="Inductor cache: a cold one per worker (default), one per run.py run, or the global "
                         "one that persists across runs (default with --quick)")
@@ -259,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             "name": name,
             "models": models, "configs": specs, "steps": a.steps, "warmup": a.warmup,
             "mem_steps": a.mem_steps, "quick": a.quick, "threads": a.threads or None, "device": a.device,
-            "cache": a.cache, "autocast": autocasts,
+            "cache": a.cache, "autocast": autocasts, "optimizer": a.optimizer,
             "model_kwargs": {m: configs.model_kwargs(m, a.quick) for m in models},
             "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL,
         },

@@ -209,6 +209,25 @@ RUN = Spec("run", ("model", "config", "autocast"),
                 "first step minus the median (bench/README.md).",
            notes=_run_notes)
 
+# --- bench/run.py --optimizer: the whole step, the optimizer's included (issue #55 [release]) -----
+
+RELEASE = Spec("release", ("model", "config", "autocast"), tables=(Table("main", (
+    Column("model", "model", number=False), Column("autocast", lambda r: r.get("autocast", "off"), number=False),
+    Column("config", "config", number=False), Column("peak MiB", "peak_bytes", "mib"),
+    Column("peak / HF ckpt", "peak_vs_hf_ckpt", ".3f"), Column("peak / eager", "peak_vs_eager", ".2f"),
+    Column("predicted MiB", "predicted_peak_bytes", "mib"),
+    Column("predicted / measured", "predicted_vs_measured", ".4f"),
+    Column("step ms", "step_time_median_s", "ms"), Column("time / eager", "time_vs_eager", ".2f"),
+    Column("graphs", _graphs), Column("first update vs eager", "check", number=False),
+), replace_row=lambda r: None if r.get("status", "ok") == "ok" else
+        [r["model"], r.get("autocast", "off"), r["config"], _status(r)] + [""] * 8),),
+    title=lambda res: f"The whole training step, the optimizer's included: `{res.study}`",
+    note="Peak = bytes allocated during forward, backward and the optimizer's step over those alive before "
+         "it (parameters and AdamW state not counted; gradients, activations and the step's temporaries "
+         "are); `+step_in_backward` runs the step inside the backward (docs/options.md#step_in_backward). "
+         "Predicted: fxmem's `predict_peak` at the batch. Step ms: median of the timed steps.",
+    notes=_run_notes)
+
 # --- bench/studies/interleaved.py: step times side by side in one process ---------------------------
 
 INTERLEAVED = Spec("interleaved", ("model", "config"), tables=(Table("main", (
@@ -584,7 +603,7 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                "`min_cut_rematerialization_partition` with nop compilers; HF ckpt: the eager step with Hugging "
                "Face's gradient checkpointing (`-`: the model does not support it)."))
 SPECS: dict[str, Spec] = {s.name: s for s in (
-    RUN, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS, GPU,
+    RUN, RELEASE, INTERLEAVED, ZOO, PLANNER_TARGETS, LOWERING_TARGETS, GPU,
     Spec("dpsgd-parity", ("world", "step"), tables=(Table("main", (
         Column("ranks", "world", "d"), Column("step", "step", "d"), Column("batch", "batch", "d"),
         Column("loss", "loss", ".3f"), Column("epsilon", "epsilon", ".3f"), Column("step s", "step_s", ".1f"),
@@ -762,6 +781,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
 
 # study name -> spec name, first match wins (exact names first)
 PATTERNS = (
+    ("release*", "release"),
     ("realistic-compile-time", "realistic-compile-time"),
     ("realistic-plan-7b", "realistic-plan-7b"),
     ("realistic-time-*", "interleaved"),

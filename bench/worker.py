@@ -69,7 +69,8 @@ def workload(model_name: str, kwargs: dict, seed: int, device: str):
 
 
 def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int, quick: bool,
-            device: str, seed: int, threads: int | None = None, autocast: str = "off") -> dict:
+            device: str, seed: int, threads: int | None = None, autocast: str = "off",
+            optimizer: str | None = None) -> dict:
     import contextlib
     import statistics
 
@@ -86,7 +87,7 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
     result: dict = {
         "model": model_name, "config": spec, "kind": cfg.kind, "options": dict(cfg.options),
         "model_kwargs": kwargs, "device": device, "threads": torch.get_num_threads(),
-        "steps": steps, "warmup": warmup, "mem_steps": mem_steps, "autocast": autocast,
+        "steps": steps, "warmup": warmup, "mem_steps": mem_steps, "autocast": autocast, "optimizer": optimizer,
     }
     amp_dtype = AUTOCAST[autocast]
 
@@ -111,32 +112,48 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
                 "peak_bytes_all": [terms["total"]], "fwd_live_bytes": None, "step_time_median_s": None,
                 "step_times_s": [], "first_step_s": None, "compile_s": None, "graphs": 0, "recompiles": 0,
                 "graph_breaks": 0}
+    opt = OPTIMIZERS[optimizer](params) if optimizer else None
     try:
-        fn = configs.build(model, cfg)
+        fn = configs.build(model, cfg, optimizer=opt)
     except configs.Skip as e:
         return {**result, "status": "skipped", "reason": str(e)}
+    in_backward = cfg.options.get("step_in_backward", False)
+
+    def backward(loss):  # the backward, and the optimizer's step where it does not run inside it
+        loss.backward()
+        if opt is not None and not in_backward:
+            opt.step()
 
     def step():
         loss = forward()
-        loss.backward()
+        backward(loss)
         return loss
 
     def zero():
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
 
     # 1. first step: compilation + one step
     zero()
+    before = [p.detach().clone() for p in params] if opt is not None else None
     t0 = time.perf_counter()
     loss = step()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     result["loss"] = loss.item()
-    result["grad_norm"] = _grad_norm(model)
+    if opt is None:
+        result["grad_norm"] = _grad_norm(model)
+    else:  # the first update's norm (a step in the backward leaves no gradient to compare)
+        result["update_norm"] = math.sqrt(sum(float((p.detach().double() - b.double()).square().sum())
+                                              for p, b in zip(params, before)))
+        del before
     graphs_after_first = counters["stats"].get("unique_graphs", 0)
     del loss
     if cfg.kind == "fxmem":
         result.update(_lowering(fn))
+        result["predicted_peak_bytes"] = _predicted(fn, batch)
 
     # 2. remaining warm-up
     for _ in range(warmup - 1):
@@ -151,7 +168,7 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         with step_perf(device, batch_size=batch_size) as perf:
             loss = forward()
             perf.mark("forward")
-            loss.backward()
+            backward(loss)
         del loss
         peaks.append(perf.result.peak_bytes)
         fwd_live.append(perf.result.marks[0].live_bytes if perf.result.marks else None)
@@ -179,6 +196,26 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         "graph_breaks": sum(counters["graph_break"].values()),
     })
     return result
+
+
+def _predicted(compiled, batch: dict) -> int | None:
+    """fxmem's predicted step peak at this batch: the sum over the compile's graphs of each
+    graph's ``predict_peak`` where there is one graph, else None (graph breaks: each graph's
+    peak is its own)."""
+    import fxmem
+
+    graphs = fxmem.report(compiled).graphs
+    if len(graphs) != 1:
+        return None
+    return graphs[0].predict_peak(**{k: tuple(v.shape) for k, v in batch.items()})
+
+
+# --optimizer: what the step's optimizer is (its step runs after the backward, or inside it for a
+# configuration with fxmem's ``step_in_backward``); lr as fine-tuning uses.
+OPTIMIZERS = {
+    "adamw": lambda params: __import__("torch").optim.AdamW(params, lr=1e-5),
+    "sgd": lambda params: __import__("torch").optim.SGD(params, lr=1e-3, momentum=0.9),
+}
 
 
 def _lowering(compiled) -> dict:
@@ -237,12 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--autocast", choices=tuple(AUTOCAST), default="off",
                    help="run forward and loss under torch.autocast in this dtype (default off)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                   help="an optimizer step in each step (default none: forward and backward only)")
     a = p.parse_args(argv)
     if a.warmup < 1:
         p.error("--warmup must be >= 1 (the first step compiles and is never measured)")
     try:
         result = measure(a.model, a.config, a.steps, a.warmup, a.mem_steps, a.quick, a.device, a.seed, a.threads,
-                         a.autocast)
+                         a.autocast, a.optimizer)
     except Exception as e:  # report, don't crash silently: the parent records the error
         traceback.print_exc()
         _emit(error_result(a.model, a.config, e))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -62,7 +63,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
             decision = decide(gm, example_inputs, opts)                           # lowering (decided)
         with _stage(f"compile (AOT trace, plan, split, {opts.inner} inner compiler)"):
             compiled, planned, lowered = _compile(gm, decision, example_inputs, opts.inner, settings,
-                                                   opts.inductor_config())  # AOT..
+                                                   opts.inductor_config(), _in_backward(comp, gm, example_inputs))
     except Exception as e:  # noqa: BLE001 - the failure policy decides
         stage_failed("compile", e, opts)
         return Compiled(inner.compile_safe(gm, example_inputs), comp)  # the graph as Dynamo gave it: no lowering
@@ -72,12 +73,13 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
 
 
 def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], inner_name: str,
-             settings: PlanSettings,
-             config: Mapping[str, Any]) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
+             settings: PlanSettings, config: Mapping[str, Any],
+             in_backward: Mapping[int, int]) -> tuple[Callable, list[PlannedGraph], lowering.Lowering]:
     """AOTAutograd with fxmem's partitioner (sizes, plan, split; the compared matches decided
-    there), then the inner compiler, on the decided graph; where that fails (e.g. a fused kernel's
-    backward differentiated again), on the unlowered graph, with the report saying why."""
-    partitioner = Partitioner(settings, decision.compared)
+    there; the optimizer steps ``in_backward`` put in the backward), then the inner compiler, on
+    the decided graph; where that fails (e.g. a fused kernel's backward differentiated again), on
+    the unlowered graph, with the report saying why."""
+    partitioner = Partitioner(settings, decision.compared, in_backward)
     try:
         code = file_code(partitioner.planned)  # the inner compiler's code, for the report
         compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code, config,
@@ -90,7 +92,7 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
                   type(e).__name__, e)
         why = (f"not applied: the graph with lowering could not be compiled ({type(e).__name__}); "
                "the unlowered one could")
-    partitioner = Partitioner(settings)
+    partitioner = Partitioner(settings, in_backward=in_backward)
     return inner.compile_joint(gm, example_inputs, inner_name, partitioner, file_code(partitioner.planned), config,
                                settings.strict), \
         partitioner.planned, decision.lowering.declined(why)
@@ -116,6 +118,17 @@ def _options(options: Mapping[str, Any] | Options | None, kwargs: Mapping[str, A
         return resolve(options)
     except ValueError as e:
         raise OptionError(str(e)) from None
+
+
+def _in_backward(comp: Compilation, gm: fx.GraphModule, example_inputs: list[Any]) -> Mapping[int, int]:
+    """Graph input index -> ``fxmem::step_in_backward`` key for the inputs whose optimizer step
+    the backward runs (``step_in_backward``), claimed for this graph's Dynamo frame."""
+    runtime = comp.options.step_in_backward
+    if runtime is None:
+        return MappingProxyType({})
+    sources = [getattr(getattr(n.meta.get("grapharg"), "source", None), "name", "")
+               for n in gm.graph.find_nodes(op="placeholder")]
+    return runtime.keys(example_inputs, getattr(comp.compile_id, "frame_id", None), sources)
 
 
 def _compile_id():

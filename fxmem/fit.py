@@ -34,7 +34,8 @@ def peak_budget(opts: Options, model_bytes: tuple[int, int]) -> int | None:
     per graph into the planner's settings (:class:`fxmem.remat.settings.PlanSettings`)."""
     if opts.fit is None:
         return None
-    optimizer = opts.optimizer or DEFAULT_OPTIMIZER
+    optimizer = opts.optimizer or (opts.step_in_backward.state_kind() if opts.step_in_backward else None) \
+        or DEFAULT_OPTIMIZER
     resident = resident_bytes(model_bytes, optimizer)
     room = opts.fit - resident
     if room <= 0:

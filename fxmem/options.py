@@ -22,6 +22,8 @@ from torch._dynamo.exc import ShortenTraceback
 
 from fxmem_kernels._common import ENV_TRITON, env_flag
 
+from .step_in_backward.runtime import check_optimizer
+
 ENV_LEVEL = "FXMEM_MEMORY_OPT_LEVEL"
 ENV_CONFIG = "FXMEM_MEMORY_OPT_CONFIG"
 ENV_REPORT = "FXMEM_REPORT"
@@ -107,6 +109,9 @@ class Options:
     report: bool = False
     report_path: str | None = None
     strict: bool = False
+    # A torch.optim optimizer whose step runs in the backward, one parameter at a time, as each
+    # gradient is final (fxmem/step_in_backward.py): held as its runtime, ``InBackward``.
+    step_in_backward: Any = None
 
     def inductor_layout(self) -> bool | None:
         """Whether Inductor may change a conv graph's layouts (``layout_optimization``): the
@@ -354,6 +359,7 @@ _PARSERS = {
     "report": lambda v: _bool("report", v),
     "report_path": _parse_report_path,
     "strict": lambda v: _bool("strict", v),
+    "step_in_backward": check_optimizer,
 }
 
 

@@ -12,6 +12,8 @@ inputs and its outputs). Known:
   builds a bool mask of the -inf entries;
 - the random-op replay wrappers: their op's temporaries, and ``run_with_rng_state`` a copy of
   the generator's state (to restore it after drawing);
+- an optimizer's step in the backward (``step_in_backward``): the node carries its own, per byte
+  of the gradient it takes (``meta["scratch_per_byte"]``);
 - CPU convolutions, forward and backward, of every shape class (depthwise, grouped, dilated,
   transposed, 1D/2D/3D): measured per configuration, shapes and strides (:mod:`.measured`; oneDNN
   picks a layout per shape and input layout, and its reorder buffers follow no formula).
@@ -160,4 +162,10 @@ def op_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
 
 
 def scratch_bytes(node: fx.Node) -> sympy.Expr:
+    """``node``'s temporaries: as its op's (``op_scratch``), or, where the pass that made the node
+    knows them (``step_in_backward``'s optimizer step), ``meta["scratch_per_byte"]`` bytes per byte
+    of its first argument."""
+    per_byte = node.meta.get("scratch_per_byte")
+    if per_byte is not None:
+        return sympy.nsimplify(per_byte) * tensor_bytes(node.args[0].meta["val"])
     return op_scratch(node.target, node.args, node.kwargs, node.meta.get("val"))

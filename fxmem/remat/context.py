@@ -39,9 +39,12 @@ class PlanContext:
     clusters: list[Cluster]  # ONNX Runtime's clusters of the stashed values (for rules)
     layer: dict[fx.Node, str]  # node -> the repeated layer it belongs to ({}: none found)
     fences: set[fx.Node]  # layer inputs: recompute chains stop here at level 1 and under a budget
+    # backward outputs that die where they are made (``step_in_backward``: the optimizer takes them)
+    released: frozenset[fx.Node] = frozenset()
 
     @classmethod
-    def of(cls, joint: JointGraph, sizes: SymbolicSizes, target: Target) -> "PlanContext":
+    def of(cls, joint: JointGraph, sizes: SymbolicSizes, target: Target,
+           released: frozenset[fx.Node] = frozenset()) -> "PlanContext":
         fwd_nodes = [n for n in joint.gm.graph.nodes if n not in joint.backward and n.op == "call_function"]
         root = storage_roots(joint.gm)
         free = {n for n in fwd_nodes if root[n].op == "placeholder"}
@@ -50,7 +53,7 @@ class PlanContext:
         stashed = joint.default_saved()
         key = layers(joint)
         return cls(joint, sizes, target, fwd_nodes, root, free, nbytes, cost, stashed, find_clusters(joint, stashed),
-                   key, boundaries(joint, key))
+                   key, boundaries(joint, key), released)
 
     @functools.cached_property
     def cheap(self) -> set[fx.Node]:
@@ -69,4 +72,4 @@ class PlanContext:
     @functools.cached_property
     def peak(self) -> StepPeak:
         """The step simulator: ``ctx.peak(saved)`` is the simulated step peak of keeping ``saved``."""
-        return StepPeak(self.joint, self.sizes, self.target)
+        return StepPeak(self.joint, self.sizes, self.target, released=self.released)

@@ -14,9 +14,10 @@ import gc
 import hashlib
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -27,6 +28,7 @@ from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
+from ..step_in_backward.graph import Rewritten, released_outputs, rewrite
 from .budget import BudgetError
 from .compromise import pack_masks
 from .context import PlanContext
@@ -52,6 +54,8 @@ class PlannedGraph:
     # The inner compiler's code for the forward and the backward ("forward"/"backward" -> source),
     # where it states its buffers (Inductor's wrapper): the report reads its schedule from it.
     inner_code: dict[str, str] = field(default_factory=dict)
+    # The parameters whose optimizer step its backward runs (``step_in_backward``), in order.
+    in_backward: Rewritten = Rewritten(())
 
     def peak(self) -> int:
         """The simulated step peak at the compiled shape (the report's ``predict_peak()``)."""
@@ -87,7 +91,7 @@ def _planned(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings):
     """Stages joint graph, sizes, plan: (joint, sizes, plan, its simulated step peak or None)."""
     joint = joint_graph(gm, num_fwd_outputs, settings)
     sizes = SymbolicSizes.of(gm, settings.plan_shape)
-    ctx = PlanContext.of(joint, sizes, settings.target)
+    ctx = PlanContext.of(joint, sizes, settings.target, released_outputs(joint, settings.in_backward))
     chosen = plan(ctx, settings)
     return joint, sizes, chosen, ctx
 
@@ -159,9 +163,14 @@ class Partitioner(CustomPartitionerFn):
     builds their reports and files them on the compile's record.
     """
 
-    def __init__(self, settings: PlanSettings | Options, compared: Compared | None = None):
-        self.settings = settings if isinstance(settings, PlanSettings) else PlanSettings.of(settings)
+    def __init__(self, settings: PlanSettings | Options, compared: Compared | None = None,
+                 in_backward: Mapping[int, int] = MappingProxyType({})):
+        settings = settings if isinstance(settings, PlanSettings) else PlanSettings.of(settings)
+        self.settings = replace(settings, in_backward=frozenset(in_backward))
         self.compared = compared  # the lowering's compared regions: plan with and without them
+        # graph input index -> ``fxmem::step_in_backward`` key: the parameters whose optimizer
+        # step the backward runs (``step_in_backward``, applied to the split's backward)
+        self.in_backward = in_backward
         self.declined: str | None = None  # why the compared regions were not kept (None: kept)
         self.planned: list[PlannedGraph] = []
 
@@ -188,8 +197,9 @@ class Partitioner(CustomPartitionerFn):
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem split: %d values saved, %d recomputed in the backward",
                   len(result.saved), len(result.recomputed))
+        stepped = rewrite(result.fw, result.bw, self.in_backward, in_order=settings.target.exact_peak)
         fw, bw = settings.target.finish(result, settings.memory_first)
-        self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names())))
+        self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names()), in_backward=stepped))
         return fw, bw
 
     def _safe(self, gm: fx.GraphModule, num_fwd_outputs: int):

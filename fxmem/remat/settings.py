@@ -61,6 +61,8 @@ class PlanSettings:
     strict: bool = False
     plan_shape: Mapping[str, tuple[int, ...]] | None = None
     target: Target = INDUCTOR
+    # graph inputs whose gradient the optimizer takes where it is made (``step_in_backward``)
+    in_backward: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, options: Options, *, inner: str | None = None, budgets: bool = True,
@@ -86,4 +88,5 @@ class PlanSettings:
     def key(self) -> str:
         """A stable string of every setting: goes into Inductor's cache key."""
         return repr((self.level, self.config, self.memory_budget, self.peak_budget, self.strict,
-                     None if self.plan_shape is None else sorted(self.plan_shape.items()), self.target.name))
+                     None if self.plan_shape is None else sorted(self.plan_shape.items()), self.target.name,
+                     sorted(self.in_backward)))

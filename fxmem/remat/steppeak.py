@@ -30,8 +30,11 @@ class StepPeak:
     """``StepPeak(joint, sizes, target)(saved)``: the simulated step peak (bytes at the plan
     shape) of keeping ``saved``, equal to ``step_peak`` of ``split(joint, saved)``."""
 
-    def __init__(self, joint: JointGraph, sizes: SymbolicSizes, target: Target, names: set[str] | None = None):
+    def __init__(self, joint: JointGraph, sizes: SymbolicSizes, target: Target, names: set[str] | None = None,
+                 released: frozenset[fx.Node] = frozenset()):
         self.joint, self.sizes = joint, sizes
+        # what the backward returns, alive to its end: not the gradients the optimizer takes where they are made
+        self._returned = [o for o in joint.bwd_outputs if o not in released]
         self.names = joint.input_names() if names is None else names
         nodes = list(joint.gm.graph.nodes)
         self.pos = {n: i for i, n in enumerate(nodes)}
@@ -71,7 +74,7 @@ class StepPeak:
         first: dict = {}
         shared = {n: (first.setdefault(self._storage[n], n), self._storage[n]) for n in tensors
                   if self._storage[n].op != "placeholder"}
-        bw = walk(bw_in, bw_body, joint.bwd_outputs, self._bytes, bw_facts,
+        bw = walk(bw_in, bw_body, self._returned, self._bytes, bw_facts,
                   counted={n for n in bw_in if n.name not in self.names}, shared=shared, reuse=self._reuse)
         return peak_bytes(fw), peak_bytes(bw)
 

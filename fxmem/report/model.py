@@ -124,6 +124,9 @@ class GraphReport:
     # backward), "outputs" (the forward's other outputs), "tangents" (the backward's incoming
     # gradients), "gradients" (what the backward returns). For a step of several graphs.
     crossing: dict[str, str] = field(default_factory=dict)
+    # ``step_in_backward``: the parameters whose optimizer step this graph's backward runs, in
+    # the order it runs them (the others are updated when the backward ends)
+    in_backward: list[str] = field(default_factory=list)
 
     def with_names(self, positional: list[str]) -> "GraphReport":
         """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
@@ -212,7 +215,8 @@ def report_json_path(path: str, g: GraphReport) -> str:
 
 def build(index: int, options_key: str, plan, split, sizes, primal_names: set[str], *,
           lowerings: list[LoweringRow] = (), lowering_notes: list[str] = (), compile_id: str = "",
-          static_dims: dict[str, int] | None = None, model_bytes: tuple[int, int] = (0, 0)) -> GraphReport:
+          static_dims: dict[str, int] | None = None, model_bytes: tuple[int, int] = (0, 0),
+          in_backward: list[str] = ()) -> GraphReport:
     """A GraphReport from a live plan, its split and its sizes, and the graph's lowering rows."""
     saved_names = {n.name for n in split.saved}
     inputs = plan.problem.joint.input_names() if plan.problem is not None else set()
@@ -254,7 +258,7 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         lowerings=list(lowerings), lowering_notes=list(lowering_notes), compile_id=compile_id,
         static_dims=dict(static_dims or {}), model_bytes=model_bytes[0], trainable_bytes=model_bytes[1],
         modules=by_module(owner, kept, recomputed), owners={k: v for k, v in owner.items() if k in scheduled},
-        forward_cost=float(sum(cost.values())), crossing=crossing,
+        forward_cost=float(sum(cost.values())), crossing=crossing, in_backward=list(in_backward),
     )
 
 

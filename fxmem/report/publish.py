@@ -63,7 +63,7 @@ def _report(comp: Compilation, graph: "PlannedGraph", index: int, lowered: "Lowe
     rep = build(index, comp.options.key(), graph.plan, graph.split, graph.sizes, graph.primal_names,
                 lowerings=lowering_rows(lowered), lowering_notes=lowered.notes(),
                 compile_id=str(comp.compile_id or ""), static_dims=comp.static_dims,
-                model_bytes=comp.model_bytes)
+                model_bytes=comp.model_bytes, in_backward=graph.in_backward.names())
     rep = graph.report = inner_schedules(rep, graph)
     _show(comp, lambda: table(rep))
     trace_plan(lambda: MemoryReport([rep]).to_json(), comp.compile_id)

@@ -103,6 +103,10 @@ def table(g: GraphReport) -> str:
         f"rules applied: {', '.join(f'{r[0]} ({r[2]} occurrences)' for r in g.applied_rules) or 'none'}",
     ]
     lines += [f"note: {n}" for n in g.notes]
+    if g.in_backward:
+        shown = ", ".join(g.in_backward[:4]) + (f" and {len(g.in_backward) - 4} more" if len(g.in_backward) > 4 else "")
+        lines.append(f"optimizer step in the backward: {len(g.in_backward)} parameters updated as their gradients "
+                     f"are made ({shown}); any other parameter of the optimizer when the backward ends")
     if g.lowerings or g.lowering_notes:
         lines += lowering_lines(g.lowerings, g.lowering_notes)
     if g.symbols:
