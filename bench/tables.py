@@ -626,7 +626,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("dropout", "dropout", ".1f"), Column("peak MiB", "peak", "mib"), Column("G MiB", "grads", "mib"),
              Column("above G MiB", "above_grads", "mib"), Column("/ logits", "above_grads_per_logits", ".3f"),
              Column("<= 0.25", lambda r: "yes" if r["met"] else "no", number=False),
-             Column("phase", "phase", number=False))),)),
+             Column("phase", "phase", number=False), Column("fused loss", "fused_loss", number=False))),)),
     Spec("lowering-glu", ("model", "pattern", "size"), title=lambda res: "Fused SwiGLU / GeGLU: planned peak with "
          "/ without", note="Planned step peak with the pattern lowered / without it (norms lowered in both; eager "
                            "inner compiler).",

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import harness  # noqa: E402
 
-import fxmem  # noqa: E402,F401  (registers the backend)
+import fxmem  # noqa: E402  (registers the backend)
 from fxmem.models import hf_gpt2  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 
@@ -60,7 +60,16 @@ def measure(layers: int, inner: str, dropout: float = 0.1, steps: int = 3, expla
                 _explain(prof)
     return dict(layers=layers, inner=inner, dropout=dropout, peak=peak, grads=grads, above_grads=peak - grads,
                 above_grads_per_logits=(peak - grads) / LOGITS, met=peak - grads <= TARGET * LOGITS,
-                phase="backward" if peak > forward_peak else "forward")
+                phase="backward" if peak > forward_peak else "forward", fused_loss=_fused_loss(model))
+
+
+def _fused_loss(compiled) -> str:
+    """Whether the fused cross-entropy ran ("applied"), else why the backend left it alone."""
+    graphs = fxmem.report(compiled).graphs
+    if any(r.pattern == "fused_linear_cross_entropy" for g in graphs for r in g.lowerings):
+        return "applied"
+    notes = [n for g in graphs for n in g.lowering_notes if "fused_linear_cross_entropy" in n]
+    return notes[0] if notes else "not matched"
 
 
 def _explain(prof) -> int:
