@@ -46,7 +46,7 @@ def measure(layers: int, inner: str, dropout: float = 0.1, steps: int = 3, expla
             p.grad = None
         gc.collect()
         last = i == steps - 1
-        with step_perf("cpu", memory=last) as perf:
+        with step_perf("cpu", memory=last and not explain) as perf:  # (--explain: its own profiler)
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
                 if last and explain else contextlib.nullcontext()
             with prof:
@@ -54,13 +54,13 @@ def measure(layers: int, inner: str, dropout: float = 0.1, steps: int = 3, expla
                 perf.mark("forward")
                 loss.backward()
                 del loss
-        if last:
+        if last and explain:
+            peak, forward_peak = _explain(prof), None
+        elif last:
             peak, forward_peak = perf.result.peak_bytes, perf.result.marks[0].peak_bytes
-            if explain:
-                _explain(prof)
     return dict(layers=layers, inner=inner, dropout=dropout, peak=peak, grads=grads, above_grads=peak - grads,
                 above_grads_per_logits=(peak - grads) / LOGITS, met=peak - grads <= TARGET * LOGITS,
-                phase="backward" if peak > forward_peak else "forward", fused_loss=_fused_loss(model))
+                phase="?" if forward_peak is None else "backward" if peak > forward_peak else "forward", fused_loss=_fused_loss(model))
 
 
 def _fused_loss(compiled) -> str:
