@@ -732,6 +732,19 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("tokens", "tokens", "d"), Column("ratio", "ratio", ".2f"),
              Column("decision", "decision", number=False), Column("level 0", "level0", ".3f"),
              Column("level 1", "level1", ".3f")), sort=lambda r: (r["ratio"], r["model"])),)),
+    Spec("loss-floor", ("layers", "inner", "dropout"), title=lambda res: "A tied LM's step peak above its "
+         "gradients (issue #55)", note="HF GPT2LMHeadModel from GPT2Config (vocab 50257, 768 wide, 12 heads, tied "
+         "head), batch 2 x 512, fp32, fxmem level 1 with its default lowering; exact allocator peak of the third "
+         "step (`bench/studies/loss_floor.py`). G: every parameter gradient (312.5 MiB at 6 layers); one logits "
+         "buffer: 1024 x 50257 x 4 B = 196.3 MiB; target: at most 0.25 of it above G. Phase: where the peak is "
+         "(forward: the returned logits and the fused loss's weight gradient; backward: a layer's recompute and "
+         "gradients, the attention's [2, 12, 512, 512] probabilities where dropout sends it to the math path).",
+         tables=(Table("main", (
+             Column("layers", "layers", "d"), Column("inner", "inner", number=False),
+             Column("dropout", "dropout", ".1f"), Column("peak MiB", "peak", "mib"), Column("G MiB", "grads", "mib"),
+             Column("above G MiB", "above_grads", "mib"), Column("/ logits", "above_grads_per_logits", ".3f"),
+             Column("<= 0.25", lambda r: "yes" if r["met"] else "no", number=False),
+             Column("phase", "phase", number=False), Column("fused loss", "fused_loss", number=False))),)),
     Spec("lowering-glu", ("model", "pattern", "size"), title=lambda res: "Fused SwiGLU / GeGLU: planned peak with "
          "/ without", note="Planned step peak with the pattern lowered / without it (norms lowered in both; eager "
                            "inner compiler).",

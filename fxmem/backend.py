@@ -84,6 +84,7 @@ def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], 
         code = file_code(partitioner.planned)  # the inner compiler's code, for the report
         compiled = inner.compile_joint(decision.gm, example_inputs, inner_name, partitioner, code, config,
                                        settings.strict)
+        compiled = lowering.reattached(compiled, decision.lowering.returned)  # returned logits' gradient
         return compiled, partitioner.planned, decision.outcome(partitioner.declined)
     except Exception as e:  # noqa: BLE001 - the unlowered graph may compile; if not, the failure policy decides
         if decision.gm is gm or not is_failure(e):

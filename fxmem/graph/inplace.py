@@ -2,6 +2,8 @@
 
 Kept apart from the rewrite itself (``fxmem.graph.reuse``) because liveness reads
 :data:`WRITES_INTO_FIRST` too: a call that writes into its first argument allocates nothing.
+Also here: ``fxmem::embedding_backward_add``, the one op fxmem puts into a joint graph so that it
+has an in-place form (``remat.tied``: a tied embedding's gradient added to its other use's).
 """
 
 from __future__ import annotations
@@ -33,10 +35,42 @@ def _dropout_backward_into_grad(grad, mask, scale):
     return grad.mul_(mask).mul_(scale)
 
 
+def _embedding_backward_into(other, grad, indices, padding_idx):
+    """``other += embedding_dense_backward(grad, indices, len(other), padding_idx, False)``
+    without the [num_weights, dim] gradient: the rows the indices touch are summed by the same
+    kernel, over the indices renumbered to those rows, into a [rows touched, dim] buffer (in the
+    same order: the same sums), then added to ``other``'s rows. Bit for bit the out-of-place sum
+    on CPU (a row nobody touched gets ``+ 0.0``: a -0.0 entry becomes 0.0; tests/test_loss_floor.py)."""
+    flat = indices.reshape(-1)
+    rows, renumbered = torch.unique(flat, return_inverse=True)
+    grad = grad.reshape(flat.numel(), other.shape[1])
+    if padding_idx >= 0:  # the padding row gets nothing: its entries add zeros
+        grad = grad.masked_fill((flat == padding_idx).unsqueeze(1), 0)
+    summed = aten.embedding_dense_backward.default(grad, renumbered, rows.numel(), -1, False)
+    return other.index_add_(0, rows, summed)
+
+
+@torch.library.custom_op("fxmem::embedding_backward_add", mutates_args=())
+def embedding_backward_add(other: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
+                           padding_idx: int) -> torch.Tensor:
+    """``other + embedding_dense_backward(grad, indices, other.shape[0], padding_idx, False)``:
+    a tied embedding's gradient added to its other use's, with one [num_weights, dim] result.
+    The eager inner compiler writes it into ``other`` where ``other`` dies here (``INTO_FIRST``)."""
+    return _embedding_backward_into(other.clone(memory_format=torch.contiguous_format), grad, indices, padding_idx)
+
+
+@embedding_backward_add.register_fake
+def _(other, grad, indices, padding_idx):
+    return torch.empty_like(other, memory_format=torch.contiguous_format)
+
+
+EMBEDDING_BACKWARD_ADD = torch.ops.fxmem.embedding_backward_add.default
+
 # ops whose first argument (the incoming gradient) can receive their result
 INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
               aten._softmax_backward_data.default: _softmax_backward_into_grad,
-              aten.native_dropout_backward.default: _dropout_backward_into_grad}
+              aten.native_dropout_backward.default: _dropout_backward_into_grad,
+              EMBEDDING_BACKWARD_ADD: _embedding_backward_into}
 
 # functions whose result is their first argument's storage (liveness: no new allocation)
 WRITES_INTO_FIRST = frozenset(INTO_FIRST.values())

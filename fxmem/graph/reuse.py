@@ -40,8 +40,10 @@ def write_candidates(n: fx.Node) -> list[tuple[fx.Node, Any]]:
     order :func:`dead_writes` tries them, where shapes, dtypes and layouts allow (whether ``a``'s
     storage dies at ``n`` is the graph's to say)."""
     pairs = []
-    if n.op == "call_function" and n.target in INTO_FIRST:
-        pairs = [(n.args[0], n.args[1])]
+    if n.op == "call_function" and n.target in INTO_FIRST:  # (its other operands may have any shape)
+        a = n.args[0]
+        return [(a, n.args[1])] if isinstance(a, fx.Node) and _fresh_contiguous(n.meta.get("val"), a.meta.get("val")) \
+            else []
     elif n.op == "call_function" and n.target in INPLACE and len(n.args) == 2:
         a, b = n.args
         pairs = [(a, b)] + ([(b, a)] if n.target in COMMUTATIVE and not n.kwargs else [])  # x + y == y + x, bitwise

@@ -124,6 +124,15 @@ def _fxmem_cpu(f: Callable[..., sympy.Expr]) -> Callable:
     return scratch
 
 
+def _embedding_backward_add(target, args, kwargs, out) -> sympy.Expr:
+    """``graph.inplace._embedding_backward_into``: the unique ids and their renumbering (int64
+    each), the touched rows' sums (at most the gradient's size), a masked gradient copy where a
+    padding row is set."""
+    grad, ids = value_of(args[1]), value_of(args[2])
+    pad = args[3] if len(args) > 3 else -1
+    return 16 * _numel(ids) + tensor_bytes(grad) * (2 if isinstance(pad, int) and pad >= 0 else 1)
+
+
 def _has(a: dict, name: str) -> int:
     return int(a.get(name) is not None)
 
@@ -142,6 +151,7 @@ _FXMEM_KERNELS = {
 _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     "fxmem::linear_cross_entropy": _linear_cross_entropy,
     "fxmem::linear_cross_entropy_backward": _linear_cross_entropy,
+    "fxmem::embedding_backward_add": _embedding_backward_add,
     aten.native_dropout.default: _dropout,
     aten.native_dropout_backward.default: _cpu_bytes,
     aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),

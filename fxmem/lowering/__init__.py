@@ -49,11 +49,12 @@ chunk graphs with ghost clipping the fused cross-entropy only when asked for by 
 ``lowering=True`` (``fxmem.backend._chunk_lowering``).
 
 The logits: an HF causal LM returns its logits as well as the loss. The loss is lowered anyway;
-the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for the output, and
-AOTAutograd gives them a gradient in backward, zeros unless the caller differentiated them.
-Their backward op reads it once and skips the two vocabulary-sized matmuls when it is all
-zeros. Compile a module that returns only the loss to have neither the logits nor that zero
-buffer (bench/results/lowering.md shows both).
+the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for the output and the
+loss reads them. In a graph the backend compiles whole (``lower(..., reattach=True)``) they are
+returned without a gradient and get it outside the compiled graph, only when the caller
+differentiates them (:mod:`.returned`): AOTAutograd would otherwise hand the backward a
+[tokens, vocab] zero gradient for them. Compile a module that returns only the loss to not have
+the logits at all (bench/results/lowering.md).
 
 Bytes saved per lowering are what autograd keeps for backward from the matched subgraph minus
 what the fused call keeps, on meta tensors at the compiled shape (:mod:`.savings`).
@@ -70,9 +71,10 @@ import torch.fx as fx
 from ..graph.module import graph_module
 from . import amp, splice
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
+from .returned import Spec, detach, reattached
 from .savings import bytes_saved
 
-__all__ = ["PATTERNS", "Pattern", "Lowered", "Lowering", "lower", "enabled"]
+__all__ = ["PATTERNS", "Pattern", "Lowered", "Lowering", "lower", "enabled", "reattached"]
 
 log = logging.getLogger("fxmem")
 UNCOMPARED = "not applied: its plan could not be compared (the ops it replaces read a value that is not a tensor)"
@@ -97,6 +99,9 @@ class Lowering:
     lowered: list[Lowered] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (pattern, node, reason)
     regions: list = field(default_factory=list, repr=False)  # splice.Region: the marked compared matches
+    # returned logits made non-differentiable outputs (:mod:`.returned`): what the compiled
+    # callable needs to give them their gradient (``reattached(compiled, returned)``)
+    returned: list[Spec] = field(default_factory=list, repr=False)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -122,7 +127,7 @@ class Lowering:
 
 def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str, bool],
           proven_only: bool = False, decline_futile: bool = False,
-          compare: bool = False) -> tuple[fx.GraphModule, Lowering]:
+          compare: bool = False, reattach: bool = False) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
     as it is, for a fallback compile), and what was done. ``lowering`` (the option): True (all),
     False (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
@@ -132,7 +137,10 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
     ``compare``: the matches neither proven nor futile are marked for the partitioner's
     comparison (:mod:`.splice`; their regions in ``Lowering.regions``), except inside a vmap
     region of a graph that is differentiated again: applied as they are there (where a fused
-    backward is differentiated again, the backend compiles the graph unlowered)."""
+    backward is differentiated again, the backend compiles the graph unlowered); ``reattach``:
+    logits returned beside a fused loss become non-differentiable outputs, the graph's outputs
+    are extended (:func:`.returned.detach`), and the compiled graph must be wrapped by
+    ``reattached(compiled, result.returned)`` (a graph the backend compiles whole)."""
     result = Lowering()
     patterns = enabled(lowering)
     if not patterns:
@@ -170,6 +178,8 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
     if not result.lowered:
         gm = original
     else:
+        if reattach:
+            result.returned = detach(graph)
         graph.lint()
         gm.recompile()
     return gm, result

@@ -40,7 +40,7 @@ class Decision:
 def decide(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Decision:
     """The graph to compile and what was lowered."""
     lowered_gm, lowered = lower(gm, example_inputs, options.lowering, decline_futile=True,
-                                compare=_differentiated(example_inputs))
+                                compare=_differentiated(example_inputs), reattach=True)
     if not lowered.regions:
         return Decision(lowered_gm, lowered)
     return Decision(lowered_gm, lowered, Compared({r.id: r for r in lowered.regions}))

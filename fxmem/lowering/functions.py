@@ -176,46 +176,38 @@ class _RowsLCEBackward(torch.autograd.Function):
         return tuple(torch.stack(o) for o in zip(*outs)), (0, 0, 0)
 
 
-@torch.library.custom_op("fxmem::linear_backward_unless_zero", mutates_args=())
-def _linear_backward_unless_zero(grad: Tensor, h: Tensor, weight: Tensor, bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``linear``'s backward, with the matmuls skipped when ``grad`` is all zeros (one read)."""
-    if not bool(grad.any()):  # logits nobody differentiated: AOTAutograd passes zeros
-        return h.new_zeros(h.shape), weight.new_zeros(weight.shape), weight.new_zeros(weight.shape[0] * bias)
-    g2, h2 = grad.reshape(-1, grad.shape[-1]), h.reshape(-1, h.shape[-1])
-    db = g2.sum(0) if bias else weight.new_zeros(0)
-    return (grad @ weight).reshape(h.shape), g2.t() @ h2, db
-
-
-@_linear_backward_unless_zero.register_fake
-def _(grad, h, weight, bias):
-    return h.new_empty(h.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] * bias)
-
-
-class _ReturnedLogits(torch.autograd.Function):
-    """``F.linear`` for logits a graph returns beside a fused loss. They are usually not
-    differentiated (``loss = model(**batch).loss``), and AOTAutograd then hands their backward a
-    zero gradient: a vocabulary-sized matmul of zeros, unless it is skipped at run time."""
-
-    @staticmethod
-    def forward(h, weight, bias):
-        return torch.nn.functional.linear(h, weight, bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        h, weight, bias = inputs
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(h, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        h, weight = ctx.saved_tensors
-        dh, dw, db = _linear_backward_unless_zero(grad, h, weight, ctx.has_bias)
-        return dh, dw, db if ctx.has_bias else None
-
-
 def returned_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                     logit_bias: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None) -> Tensor:
-    return _ReturnedLogits.apply(*_cast(dtype, h, weight, _biased(bias, logit_bias)))
+    """``F.linear`` (plus the logit bias) for logits a graph returns beside a fused loss, which
+    reads them too: computed once. Differentiable; a graph compiled whole returns
+    :func:`detached_logits` instead (:mod:`.returned`)."""
+    return torch.nn.functional.linear(*_cast(dtype, h, weight, _biased(bias, logit_bias)))
+
+
+def detached_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                    logit_bias: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """:func:`returned_logits` without a gradient: the compiled graph returns them as an output
+    AOTAutograd gives no tangent (a differentiable one gets a [tokens, vocab] zero gradient
+    whenever the caller differentiates the loss only); :class:`.returned.Reattached` gives them
+    their gradient outside the graph, computed only when the caller differentiates them."""
+    with torch.no_grad():
+        return returned_logits(h, weight, bias, logit_bias, dtype=dtype)
+
+
+def linear_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    logit_bias: Optional[Tensor], dtype: Optional[torch.dtype], need: tuple) -> tuple:
+    """The gradients of :func:`returned_logits` for the logits' gradient ``grad`` (None where
+    ``need``, one flag per input h, weight, bias, logit_bias, is false): the matmuls in the dtype
+    the forward ran them in, each gradient cast back to its input's dtype, as autograd through the
+    casts gives them."""
+    hc, wc = _cast(dtype, h, weight)
+    g2 = grad.reshape(-1, grad.shape[-1])
+    dh = (grad @ wc).to(h.dtype) if need[0] else None
+    dw = (g2.t() @ hc.reshape(-1, hc.shape[-1])).to(weight.dtype) if need[1] else None
+    total = g2.sum(0) if need[2] or need[3] else None
+    db = total.to(bias.dtype) if need[2] else None
+    dlb = total.reshape(logit_bias.shape).to(logit_bias.dtype) if need[3] else None
+    return dh, dw, db, dlb
 
 
 # -- norms, activations, dropout --------------------------------------------------------------

@@ -36,6 +36,7 @@ from .plan import Plan, plan
 from .replay import make_replayable
 from .settings import PlanSettings
 from .split import Split, split
+from .tied import accumulate_tied_embeddings
 
 if TYPE_CHECKING:
     from ..report.model import GraphReport
@@ -63,7 +64,9 @@ class PlannedGraph:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings) -> JointGraph:
-    """Stage: the joint graph, its random ops made replayable (and, at level 2, dropout masks packed)."""
+    """Stage: the joint graph, a tied embedding's gradient summed into its other use's
+    (``tied``), its random ops made replayable (and, at level 2, dropout masks packed)."""
+    accumulate_tied_embeddings(gm)
     joint = JointGraph.of(gm, num_fwd_outputs)
     if make_replayable(joint):
         joint = JointGraph.of(gm, num_fwd_outputs)
