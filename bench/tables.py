@@ -732,6 +732,19 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("tokens", "tokens", "d"), Column("ratio", "ratio", ".2f"),
              Column("decision", "decision", number=False), Column("level 0", "level0", ".3f"),
              Column("level 1", "level1", ".3f")), sort=lambda r: (r["ratio"], r["model"])),)),
+    Spec("release-parity", ("inner", "autocast"), title=lambda res: "The step in the backward against eager "
+         "AdamW (issue #55)", note="Llama-family at the bench's `llama_small` size (12 layers, 768 wide, vocab 32000, "
+         "batch 2 x 512); AdamW (lr 1e-5) with StepLR(2, 0.5), five steps on fresh batches; eager PyTorch "
+         "(`loss.backward(); optimizer.step()`) against fxmem level 1 with `step_in_backward` "
+         "(`bench/studies/release_parity.py`). Difference: the largest |parameter difference| after the last "
+         "step over the largest |parameter|.",
+         tables=(Table("main", (
+             Column("inner", "inner", number=False), Column("autocast", "autocast", number=False),
+             Column("steps", "steps", "d"), Column("max |diff|", "max_abs_diff", ".2e"),
+             Column("/ largest", "rel_to_largest", ".2e"),
+             Column("<= 1e-5", lambda r: "yes" if r["met"] else "no", number=False),
+             Column("gradients left", "grads_left", "d"), Column("fxmem s", "fxmem_s", ".0f"),
+             Column("eager s", "eager_s", ".0f"))),)),
     Spec("loss-floor", ("layers", "inner", "dropout"), title=lambda res: "A tied LM's step peak above its "
          "gradients (issue #55)", note="HF GPT2LMHeadModel from GPT2Config (vocab 50257, 768 wide, 12 heads, tied "
          "head), batch 2 x 512, fp32, fxmem level 1 with its default lowering; exact allocator peak of the third "

@@ -20,10 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
 import harness  # noqa: E402
+import torch  # noqa: E402
 
 import fxmem  # noqa: E402  (registers the backend)
 from fxmem.models import hf_gpt2  # noqa: E402
