@@ -18,7 +18,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -196,11 +196,18 @@ def spec_for(source: str, dtype: torch.dtype) -> Spec:
     raise ValueError(f"estimate: {source!r} is neither a config.json (or a folder holding one) nor module:function")
 
 
-def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: Callable[[str], None]) -> Any:
-    """The report of ``level``'s plan (a ``LayerScaledReport`` for models deeper than the probes)."""
+def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: Callable[[str], None],
+         in_backward: str | None = None) -> Any:
+    """The report of ``level``'s plan (a ``LayerScaledReport`` for models deeper than the probes);
+    ``in_backward``: the optimizer (an ``OPTIMIZERS`` name) whose step runs in the backward
+    (``step_in_backward``): its gradients die where they are made."""
     import fxmem
 
-    options = {"inner": "eager", "level": level}
+    options: dict[str, Any] = {"inner": "eager", "level": level}
+    if in_backward is not None:
+        stepper = _in_backward_optimizer(in_backward)
+        options["step_in_backward"] = stepper
+        spec = replace(spec, build=_stepped(spec.build, stepper))
     plan_batch = max(batch, 2)  # Dynamo specializes a batch of 1: no batch symbol to scale with
     deep = spec.layers is not None and spec.layers > 2 * PROBES[1]  # else one compile costs less than two
     device = plan_device(spec.build(PROBES[1] if deep else None, "meta"))
@@ -218,6 +225,25 @@ def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: 
     return fxmem.explain(model, options, **step_inputs(model, plan_batch, seq, dtype, device))
 
 
+def _in_backward_optimizer(name: str) -> torch.optim.Optimizer:
+    """An optimizer of kind ``name`` to which each model planned adds its parameters (its step
+    never runs: the plan only counts where the gradients die and the step's temporaries)."""
+    if OPTIMIZERS.get(name) is None:
+        raise ValueError(f"estimate: --step-in-backward needs an optimizer; --optimizer is {name!r}, allowed: "
+                         f"{', '.join(k for k, v in OPTIMIZERS.items() if v)}")
+    seed = [torch.nn.Parameter(torch.zeros(1, device="meta"))]
+    return torch.optim.AdamW(seed) if name == "adamw" else torch.optim.SGD(seed, lr=0.0)
+
+
+def _stepped(build: Callable[..., torch.nn.Module], opt: torch.optim.Optimizer) -> Callable[..., torch.nn.Module]:
+    """``build`` whose models' parameters join ``opt`` (one param group per model)."""
+    def built(*args: Any) -> torch.nn.Module:
+        model = build(*args)
+        opt.add_param_group({"params": [p for p in model.parameters() if p.requires_grad]})
+        return model
+    return built
+
+
 def _shapes(inputs: dict[str, torch.Tensor], batch: int) -> dict[str, tuple]:
     """The main input's shape at ``batch``: what ``predict_peak`` takes."""
     name = "pixel_values" if "pixel_values" in inputs else "input_ids"
@@ -225,7 +251,8 @@ def _shapes(inputs: dict[str, torch.Tensor], batch: int) -> dict[str, tuple]:
 
 
 def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int | None = None,
-             optimizer: str = "adamw", dtype: str = "fp32", log: Callable[[str], None] = lambda s: None) -> dict:
+             optimizer: str = "adamw", dtype: str = "fp32", log: Callable[[str], None] = lambda s: None,
+             step_in_backward: bool = False) -> dict:
     """Predicted step peak, resident bytes and largest fitting batch per level (see the module
     docstring); the dict ``--json`` prints, plus ``"reports"`` (level -> report) for plotting."""
     if dtype not in DTYPES:
@@ -248,7 +275,7 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
         started = time.monotonic()
         with warnings.catch_warnings():  # the meta device's loss has no autograd kernel: torch warns, harmlessly
             warnings.filterwarnings("ignore", message="aten::nll_loss: an autograd kernel was not registered")
-            rep = plan(spec, level, batch, seq, torch_dtype, log)
+            rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
         out["reports"][str(level)] = rep
         out["peak_bytes"][str(level)] = rep.predict_peak(**shapes)
         out["resident_bytes"] = rep.resident_bytes(opt)
@@ -307,6 +334,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="device memory, e.g. 80GB or 24GiB: prints the largest batch")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw", help="optimizer state kept per weight")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' and activations' dtype")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="the optimizer's step runs in the backward (options step_in_backward): gradients die there")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="plot memory against batch size per level")
     return p
@@ -319,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     def log(msg: str) -> None:
         print(f"[fxmem estimate] {msg}", file=sys.stderr, flush=True)
 
-    result = estimate(a.model, a.batch, a.seq, levels, a.device, a.optimizer, a.dtype, log)
+    result = estimate(a.model, a.batch, a.seq, levels, a.device, a.optimizer, a.dtype, log, a.step_in_backward)
     if a.plot:
         log(f"plot written to {plot(result, a.plot, a.device, a.batch)}")
     if a.json:
