@@ -46,3 +46,12 @@ def load_bench_module(name: str):
     sys.modules[spec.name] = mod  # Dynamo looks the model's module up by name
     spec.loader.exec_module(mod)
     return mod
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

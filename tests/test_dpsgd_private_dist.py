@@ -6,7 +6,6 @@ draw on both ranks, so their parameters stay equal after ``step()``; epsilon is 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import free_port
 from test_dpsgd_private import EAGER, C, _data, _model, clipped_mean_f64
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -23,12 +23,6 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
 ]
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, outdir: str) -> None:
@@ -61,7 +55,7 @@ def _rank(rank: int, port: int, outdir: str) -> None:
 
 def test_make_private_on_two_gloo_ranks(tmp_path):
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(WORLD))
     # Opacus' rule on each rank's loader: sample rate 1 / len(shard loader) = 1/3 (10 examples in
     # batches of 4), global expected batch int(20 * 1/3) = 6

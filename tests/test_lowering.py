@@ -58,7 +58,8 @@ def _logit_tangents(bw, vocab: int) -> list:
     """The backward's tangent inputs shaped like logits (last dim ``vocab``): the zero gradient
     AOTAutograd would give returned logits the caller does not differentiate."""
     return [n for n in bw.graph.find_nodes(op="placeholder")
-            if "tangents" in n.name and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim() and v.shape[-1] == vocab]
+            if "tangents" in n.name and isinstance(v := n.meta.get("val"), torch.Tensor) and v.dim()
+            and v.shape[-1] == vocab]
 
 
 def _counts(graph_report) -> dict[str, int]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import socket
 import warnings
 from datetime import timedelta
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import free_port
 
 import fxmem
 from fxmem.options import OptionError
@@ -96,6 +96,14 @@ def _pair(make_model, make_opt, options, amp: bool = False):
     return (m, opt, step), (ref, ropt, ref_step)
 
 
+def _both(step, ref_step, sizes=(6, 6, 6)) -> None:
+    """One step of each per batch size in ``sizes``, on the same batches."""
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(i))
+        step(x)
+        ref_step(x)
+
+
 def _assert_same(a: nn.Module, b: nn.Module, oa=None, ob=None, tol: float = 0.0):
     """Bit-identical state (``tol`` 0), or within ``tol`` x the largest parameter entry."""
     largest = max(p.abs().max().item() for p in b.parameters())
@@ -118,10 +126,7 @@ def _assert_same(a: nn.Module, b: nn.Module, oa=None, ob=None, tol: float = 0.0)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_each_optimizer_matches_its_step_after_the_backward(name):
     (m, opt, step), (ref, ropt, ref_step) = _pair(Net, OPTIMIZERS[name], EAGER)
-    for i, n in enumerate((6, 6, 9, 5)):  # new batch sizes recompile: the keys stay the parameters'
-        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(i))
-        step(x)
-        ref_step(x)
+    _both(step, ref_step, (6, 6, 9, 5))  # new batch sizes recompile: the keys stay the parameters'
     _assert_same(m, ref, opt, ropt)
     assert m.calls.item() == 4
     assert opt.param_groups[1]["lr"] == ropt.param_groups[1]["lr"] == 0.03 * 0.5 ** 4  # the schedule was read
@@ -164,10 +169,7 @@ def test_inductor_inner_compiler():
     are within a few float32 roundings of the plain compile's (Adam would magnify that where a
     gradient is near zero, e.g. the bias before a BatchNorm: SGD here)."""
     (m, opt, step), (ref, ropt, ref_step) = _pair(Net, OPTIMIZERS["sgd_nesterov_wd"], {"inner": "inductor", "level": 1})
-    for i in range(3):
-        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
-        step(x)
-        ref_step(x)
+    _both(step, ref_step)
     _assert_same(m, ref, opt, ropt, tol=1e-6)
     assert len(fxmem.report(m).graphs[0].in_backward) == 8
 
@@ -216,10 +218,7 @@ class Broken(nn.Module):
 
 def test_a_parameter_two_graphs_read_is_updated_when_the_backward_ends():
     (m, opt, step), (ref, ropt, ref_step) = _pair(Broken, OPTIMIZERS["sgd_nesterov_wd"], EAGER)
-    for i in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
-        step(x)
-        ref_step(x)
+    _both(step, ref_step, (4, 4, 4))
     _assert_same(m, ref, opt, ropt)
     updated = [name for g in fxmem.report(m).graphs for name in g.in_backward]
     assert "other.weight" in updated and "shared.weight" in updated  # shared: accumulated, then updated
@@ -261,10 +260,7 @@ def _outside_h(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("model", [OutsideAfter, OutsideBefore])
 def test_a_parameter_plain_pytorch_code_reads_too_is_updated_when_the_backward_ends(model):
     (m, opt, step), (ref, ropt, ref_step) = _pair(model, OPTIMIZERS["adamw"], EAGER)
-    for i in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
-        step(x)
-        ref_step(x)
+    _both(step, ref_step, (4, 4, 4))
     _assert_same(m, ref, opt, ropt)
 
 
@@ -345,10 +341,7 @@ def test_a_graph_that_falls_back_to_the_safe_plan_is_updated_when_the_backward_e
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (m, opt, step), (ref, ropt, ref_step) = _pair(Net, OPTIMIZERS["adamw"], EAGER)
-        for i in range(2):
-            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
-            step(x)
-            ref_step(x)
+        _both(step, ref_step, (6, 6))
     _assert_same(m, ref, opt, ropt)
     assert fxmem.report(m).graphs == [] or not fxmem.report(m).graphs[0].in_backward
 
@@ -393,12 +386,6 @@ def test_gradients_die_as_they_are_made_and_the_prediction_counts_it():
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -424,7 +411,7 @@ def _rank(rank: int, port: int, outdir: str) -> None:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 def test_under_ddp_on_two_gloo_ranks_it_is_refused_with_the_reason(tmp_path):
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for r in range(WORLD):
         text = (tmp_path / f"{r}.txt").read_text()
         assert "torch.distributed runs 2 processes" in text and "call optimizer.step() after backward()" in text

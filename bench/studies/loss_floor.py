@@ -4,7 +4,8 @@ lowering, under each inner compiler. The figure is the step's peak minus every p
 gradient (G): what the step holds beyond the gradients it must produce. The target is at most a
 quarter of one [tokens, vocab] fp32 logits buffer above G.
 
-    python bench/studies/loss_floor.py --layers 6,12 --inner eager,inductor   # writes bench/results/loss-floor.{json,md}
+    python bench/studies/loss_floor.py --layers 6,12 --inner eager,inductor
+    # writes bench/results/loss-floor.{json,md}
 
 Peaks are exact allocator events (``fxmem.profiling.step_perf``) of the third step (the first
 compiles); gradients are set to None before each step, so G is allocated inside the step.
@@ -59,7 +60,8 @@ def measure(layers: int, inner: str, dropout: float = 0.1, steps: int = 3, expla
             peak, forward_peak = perf.result.peak_bytes, perf.result.marks[0].peak_bytes
     return dict(layers=layers, inner=inner, dropout=dropout, peak=peak, grads=grads, above_grads=peak - grads,
                 above_grads_per_logits=(peak - grads) / LOGITS, met=peak - grads <= TARGET * LOGITS,
-                phase="?" if forward_peak is None else "backward" if peak > forward_peak else "forward", fused_loss=_fused_loss(model))
+                phase="?" if forward_peak is None else "backward" if peak > forward_peak else "forward",
+                fused_loss=_fused_loss(model))
 
 
 def _fused_loss(compiled) -> str:

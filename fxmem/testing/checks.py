@@ -148,7 +148,8 @@ def _unoptimized(options: Mapping[str, Any]):
             result = split(joint, joint.default_saved())
             return result.fw, result.bw
 
-        compiled = aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition)(decision.gm, example_inputs)
+        compiled = aot_autograd(fw_compiler=eager, bw_compiler=eager,
+                                partition_fn=partition)(decision.gm, example_inputs)
         return reattached(compiled, decision.lowering.returned)  # the graph's own outputs (lowering.returned)
 
     return backend
