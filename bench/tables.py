@@ -807,6 +807,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
 
 # study name -> spec name, first match wins (exact names first)
 PATTERNS = (
+    ("release-parity*", "release-parity"),
     ("release*", "release"),
     ("realistic-compile-time", "realistic-compile-time"),
     ("realistic-plan-7b", "realistic-plan-7b"),
