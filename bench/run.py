@@ -155,8 +155,9 @@ def annotate(results: list[dict]) -> None:
     base = {_key(r): r for r in ok if r["config"] == configs.BASELINE}
     ckpt = {_key(r): r for r in ok if r["config"] == "eager+hf_ckpt"}
     for r in ok:
-        if r.get("predicted_peak_bytes") and r.get("peak_bytes"):
-            r["predicted_vs_measured"] = r["predicted_peak_bytes"] / r["peak_bytes"]
+        measured = r.get("compiled_peak_bytes") or r.get("peak_bytes")  # (without a step after the backward)
+        if r.get("predicted_peak_bytes") and measured:
+            r["predicted_vs_measured"] = r["predicted_peak_bytes"] / measured
         if _key(r) in ckpt and ckpt[_key(r)]["peak_bytes"] and r.get("peak_bytes"):
             r["peak_vs_hf_ckpt"] = r["peak_bytes"] / ckpt[_key(r)]["peak_bytes"]
     inductor = {_key(r): r for r in ok if r["config"] == "inductor"}

@@ -225,7 +225,8 @@ RELEASE = Spec("release", ("model", "config", "autocast"), tables=(Table("main",
     note="Peak = bytes allocated during forward, backward and the optimizer's step over those alive before "
          "it (parameters and AdamW state not counted; gradients, activations and the step's temporaries "
          "are); `+step_in_backward` runs the step inside the backward (docs/options.md#step_in_backward). "
-         "Predicted: fxmem's `predict_peak` at the batch. Step ms: median of the timed steps.",
+         "Predicted: fxmem's `predict_peak` at the batch, against the measured peak of what fxmem compiled "
+         "(forward and backward; the whole step with `+step_in_backward`). Step ms: median of the timed steps.",
     notes=_run_notes)
 
 # --- bench/studies/interleaved.py: step times side by side in one process ---------------------------

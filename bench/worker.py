@@ -119,9 +119,11 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         return {**result, "status": "skipped", "reason": str(e)}
     in_backward = cfg.options.get("step_in_backward", False)
 
-    def backward(loss):  # the backward, and the optimizer's step where it does not run inside it
+    def backward(loss, perf=None):  # the backward, and the optimizer's step where it does not run inside it
         loss.backward()
         if opt is not None and not in_backward:
+            if perf is not None:
+                perf.mark("backward")  # what fxmem compiled ends here: its prediction's peak
             opt.step()
 
     def step():
@@ -161,17 +163,19 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         step()
 
     # 3. peak memory, on separately profiled steps
-    peaks, fwd_live = [], []
+    peaks, fwd_live, compiled_peaks = [], [], []
     for _ in range(mem_steps):
         zero()
         gc.collect()
         with step_perf(device, batch_size=batch_size) as perf:
             loss = forward()
             perf.mark("forward")
-            backward(loss)
+            backward(loss, perf)
         del loss
         peaks.append(perf.result.peak_bytes)
         fwd_live.append(perf.result.marks[0].live_bytes if perf.result.marks else None)
+        # forward + backward alone (an optimizer step after the backward is outside the compile)
+        compiled_peaks.append(perf.result.marks[1].peak_bytes if len(perf.result.marks) > 1 else peaks[-1])
 
     # 4. time, without the profiler
     times = []
@@ -186,6 +190,7 @@ def measure(model_name: str, spec: str, steps: int, warmup: int, mem_steps: int,
         "status": "ok",
         "peak_bytes": max(peaks) if peaks else None,
         "peak_bytes_all": peaks,
+        "compiled_peak_bytes": max(compiled_peaks) if compiled_peaks else None,
         "fwd_live_bytes": fwd_live[-1] if fwd_live else None,
         "step_time_median_s": median,
         "step_times_s": times,
