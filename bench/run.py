@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 import configs  # noqa: E402
 import harness  # noqa: E402
+import results_format  # noqa: E402
 from worker import AUTOCAST, OPTIMIZERS, RESULT_PREFIX  # noqa: E402
 
 LOSS_RTOL = 1e-5  # first-step loss vs eager
@@ -216,6 +217,15 @@ def write(doc: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
                          spec="release" if doc["run"].get("optimizer") else "run")
 
 
+def _kept(path: Path, measuring: set[tuple[str, str, str]]) -> list[dict]:
+    """The records of ``path`` (an earlier run's results) whose (model, config, autocast) is not
+    in ``measuring``: ``--keep``."""
+    if not path.exists():
+        return []
+    records = [results_format.unflatten(r) for r in results_format.pivot(results_format.read(path).rows).values()]
+    return [r for r in records if (r["model"], r["config"], r.get("autocast", "off")) not in measuring]
+
+
 def _summary(r: dict) -> str:
     amp = r.get("autocast", "off")
     head = f"{r['model']:<10} {'' if amp == 'off' else amp + ' '}{r['config']:<22}"
@@ -246,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
                    help="an optimizer step in every step, after the backward (inside it for a configuration with "
                         "fxmem's step_in_backward); default none: forward and backward only")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the results <out-dir>/<name>.json already has for the (model, config, autocast) this "
+                        "run does not measure: re-measure some rows of a long run")
     p.add_argument("--cache", choices=("worker", "run", "global"), default=None,
                    help="Inductor cache: a cold one per worker (default), one per run.py run, or the global "
                         "one that persists across runs (default with --quick)")
@@ -288,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(a.out_dir)
     runs = [(m, x, s) for m in models for x in autocasts for s in specs]
+    if a.keep:
+        doc["results"] = _kept(out_dir / f"{name}.json", {(m, s, x) for m, x, s in runs})
     bar = _Progress(len(runs))
     t0 = time.perf_counter()
     a.run_cache_dir = tempfile.mkdtemp(prefix="fxmem-bench-cache-") if a.cache == "run" else None
