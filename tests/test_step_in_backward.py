@@ -488,3 +488,25 @@ def test_hf_gpt2_tied_with_the_default_lowering(inner):
         ropt.zero_grad()
     _assert_same(m, ref, opt, ropt, tol=0.0 if inner == "eager" else 1e-5)
     assert len(fxmem.report(c).graphs[0].in_backward) == len(list(m.parameters()))
+
+
+@pytest.mark.parametrize("name", ["sgd_nesterov_wd", "adam_amsgrad", "adamw"])
+def test_large_parameters_are_stepped_in_row_blocks_with_the_same_numbers(name, monkeypatch):
+    """With a 64-byte block every weight is stepped a row block at a time from its second update
+    on: bit-identical to the whole step (each entry's arithmetic is its own)."""
+    import fxmem.step_in_backward.runtime as runtime
+
+    monkeypatch.setattr(runtime, "BLOCK_BYTES", 64)
+    calls = []
+    original = runtime._blocks
+
+    def counted(*args):
+        for block in original(*args):
+            calls.append(1)
+            yield block
+    monkeypatch.setattr(runtime, "_blocks", counted)
+    (m, opt, step), (ref, ropt, ref_step) = _pair(Net, OPTIMIZERS[name], EAGER)
+    _both(step, ref_step, (6, 6, 6, 6))
+    _assert_same(m, ref, opt, ropt)
+    assert len(calls) > 4 * 8  # blocks were stepped: more steps than parameters x updates
+    assert len(opt.state) == len(ropt.state)  # no block's state left behind

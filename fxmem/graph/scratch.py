@@ -174,8 +174,11 @@ def op_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
 def scratch_bytes(node: fx.Node) -> sympy.Expr:
     """``node``'s temporaries: as its op's (``op_scratch``), or, where the pass that made the node
     knows them (``step_in_backward``'s optimizer step), ``meta["scratch_per_byte"]`` bytes per byte
-    of its first argument."""
+    of its first argument, or of ``meta["scratch_block"]`` bytes where the op works in blocks of
+    that size."""
     per_byte = node.meta.get("scratch_per_byte")
     if per_byte is not None:
-        return sympy.nsimplify(per_byte) * tensor_bytes(node.args[0].meta["val"])
+        nbytes = tensor_bytes(node.args[0].meta["val"])
+        block = node.meta.get("scratch_block")
+        return sympy.nsimplify(per_byte) * (nbytes if block is None else sympy.Min(nbytes, block))
     return op_scratch(node.target, node.args, node.kwargs, node.meta.get("val"))

@@ -69,7 +69,8 @@ def rewrite(fw: fx.GraphModule, bw: fx.GraphModule, keys: Mapping[int, int], in_
             node = bw.graph.call_function(torch.ops.fxmem.step_in_backward.default,
                                           (grad, [] if in_order else _tensors(readers, order), keys[i]))
         node.meta["val"] = None
-        node.meta["scratch_per_byte"] = runtime.slot(keys[i]).owner.scratch_per_byte(runtime.slot(keys[i]).param)
+        slot = runtime.slot(keys[i])
+        node.meta["scratch_per_byte"], node.meta["scratch_block"] = slot.owner.scratch_bytes(slot.param)
         order[node] = order[after] + 0.5
         grads[pos] = None
         done.append((order[node], keys[i]))

@@ -6,6 +6,7 @@ the op ``fxmem::step_in_backward`` that a rewritten backward calls."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 import warnings
 import weakref
@@ -103,12 +104,16 @@ class InBackward:
             found = optimizer._fxmem_in_backward = cls(optimizer)
         return found
 
-    def scratch_per_byte(self, p: Tensor) -> float:
-        """The temporaries of ``p``'s update, in bytes per byte of ``p``'s gradient: the
-        optimizer's single-tensor step allocates them and frees them before it returns (the
-        simulator adds them at the op). Measured with the profiler's allocator events on CPU,
-        fp32 and bf16 (tests/test_step_in_backward.py measures each again)."""
-        return scratch_per_byte(self.optimizer, _group_of(self.optimizer, p))
+    def scratch_bytes(self, p: Tensor) -> tuple[float, int | None]:
+        """The temporaries of ``p``'s update: (bytes per byte of the gradient the optimizer's
+        single-tensor step allocates and frees before it returns, the bytes of the block it
+        steps at a time or None for the whole parameter; :func:`_blocks`). The simulator adds
+        them at the op. Measured with the profiler's allocator events on CPU, fp32 and bf16
+        (tests/test_step_in_backward.py measures each again)."""
+        per_byte = scratch_per_byte(self.optimizer, _group_of(self.optimizer, p))
+        row = _row_bytes(p)
+        blocked = type(self.optimizer) in _BLOCKED and p.dim() and 0 < row <= BLOCK_BYTES
+        return per_byte, (BLOCK_BYTES // row * row if blocked else None)
 
     def state_kind(self) -> str | None:
         """The ``optimizer`` name whose state ``fit`` reserves (``fxmem.options.OPTIMIZER_STATE``):
@@ -153,18 +158,23 @@ class InBackward:
 
     def update(self, slot: _Slot, grad: Tensor) -> None:
         """The optimizer's step on ``slot``'s parameter alone, with ``grad`` as its gradient
-        (its group's hyperparameters as they are now); the gradient is dropped after."""
+        (its group's hyperparameters as they are now); the gradient is dropped after. A large
+        parameter of an elementwise optimizer whose state exists is stepped in row blocks
+        (:func:`_blocks`): its temporaries are one block's, not the parameter's."""
         p, opt = slot.param, self.optimizer
         group = _group_of(opt, p)
         groups, params = opt.param_groups, group["params"]
-        group["params"] = [p]
         opt.param_groups = [group]
-        p.grad = grad
         try:
-            self._step(opt)
+            for part, part_grad in _blocks(opt, p, grad):
+                group["params"] = [part]
+                part.grad = part_grad
+                try:
+                    self._step(opt)
+                finally:
+                    part.grad = None
         finally:
             opt.param_groups, group["params"] = groups, params
-            p.grad = None
         opt._opt_called = True  # LR schedulers check that the optimizer stepped
         slot.updated += 1
 
@@ -253,6 +263,43 @@ class InBackward:
 def slot(key: int) -> _Slot:
     """The slot of an op's key (its compiled graph's options keep it alive)."""
     return _SLOTS[key]
+
+
+BLOCK_BYTES = 4 * 2**20  # a parameter above this is stepped in row blocks of about this size
+_BLOCKED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)  # elementwise, state known
+_SCALAR_STATE = ("step",)  # per-parameter counters: one increment per update, not per block
+
+
+def _row_bytes(p: Tensor) -> int:
+    """Bytes of one row (index along the first dimension) of ``p``, from its shape alone."""
+    return math.prod(p.shape[1:]) * p.element_size()
+
+
+def _blocks(opt: torch.optim.Optimizer, p: Tensor, grad: Tensor):
+    """``(tensor to step, its gradient)``: ``p`` whole, or, for a parameter over
+    :data:`BLOCK_BYTES` of an elementwise optimizer (SGD, Adam, AdamW) whose state exists (from
+    its second update on), row blocks of it, each stepped with its rows of the state: the same
+    arithmetic on every entry as the whole step's (no entry reads another), with one block's
+    temporaries alive instead of the parameter's. The state's counters advance once."""
+    state = opt.state.get(p)
+    block_rows = BLOCK_BYTES // max(1, _row_bytes(p)) if p.dim() else 0
+    if (type(opt) not in _BLOCKED or not state or block_rows < 1 or p.shape[0] <= block_rows
+            or any(k not in _SCALAR_STATE and not (isinstance(v, Tensor) and v.shape == p.shape)
+                   for k, v in state.items())):
+        yield p, grad
+        return
+    counters = {k: v for k, v in state.items() if k in _SCALAR_STATE}
+    flat = p.detach()
+    for start in range(0, p.shape[0], block_rows):
+        rows = slice(start, start + block_rows)
+        part = flat[rows]
+        opt.state[part] = {k: (v.clone() if k in _SCALAR_STATE else v[rows]) for k, v in state.items()}
+        try:
+            yield part, grad[rows]
+            advanced = {k: opt.state[part][k] for k in counters}
+        finally:
+            del opt.state[part]
+    state.update(advanced)
 
 
 def scratch_per_byte(opt: torch.optim.Optimizer, group: dict) -> float:
