@@ -22,6 +22,10 @@ import torch.nn.functional as F
 import fxmem
 from fxmem.graph.inplace import _embedding_backward_into, embedding_backward_add
 from fxmem.profiling import step_perf
+from fxmem.graph.liveness import last_reads, storage_roots
+from fxmem.graph.reuse import dead_writes, scatter_candidates
+from fxmem.remat.fences import scatter_into_sums
+from fxmem.remat.settings import EAGER, INDUCTOR
 from fxmem.testing.checks import _unoptimized
 
 aten = torch.ops.aten
@@ -148,6 +152,29 @@ def test_a_tied_embedding_gradient_is_summed_into_the_heads_in_place():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_the_inductor_simulator_counts_the_tied_scatter_in_place():
+    """Inductor's form of the tied sum, ``add(head_grad, index_put(zeros, [ids], grad, True))``,
+    becomes a scatter into the head's gradient (``fences.scatter_into_sums``, run on the joint
+    graph before planning for the Inductor target), and the step simulator lets it write into
+    that gradient where it dies there, as Inductor re-inplaces it; the eager target's writes are
+    its own (``write_candidates``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def tied_sum(h, grad, ids):
+        head = h * 2  # a gradient the graph computes
+        return head + aten.index_put.default(torch.zeros(50, 16), [ids], grad, True)
+
+    gm = make_fx(tied_sum)(torch.randn(50, 16), torch.randn(37, 16), torch.randint(0, 50, (37,)))
+    assert scatter_into_sums(gm) == 1
+    nodes = list(gm.graph.nodes)
+    root = storage_roots(gm)
+    written = dead_writes(nodes, root, last_reads(gm, root), {n: i for i, n in enumerate(nodes)}, set(nodes),
+                          candidates=INDUCTOR.writes())
+    [(scatter, (into, _))] = written.items()
+    assert scatter.target is aten.index_put.default and into.target is aten.mul.Tensor
+    assert INDUCTOR.writes() is scatter_candidates and EAGER.writes() is not scatter_candidates
+
+
 # -- returned logits ------------------------------------------------------------------------
 def test_returned_logits_leave_no_zero_gradient_in_the_backward():
     """Fused loss at 1024 tokens x vocab 8192 (32 MiB of logits, returned too): the backward
@@ -222,7 +249,8 @@ def test_dynamic_shapes_over_three_steps():
 
 def test_under_inductor():
     """One Inductor compile: the loss alone, then a loss that reads the logits (same graphs: the
-    logits' backward runs outside them)."""
+    logits' backward runs outside them). The tied embedding's gradient is scattered into the
+    head's in the joint graph the planner plans (not into zeros)."""
     vocab, d = 512, 16
     torch.manual_seed(0)
     model = TiedLM(vocab, d)
@@ -234,3 +262,8 @@ def test_under_inductor():
     assert len(fxmem.compilations(compiled)) == 1
     assert "fused_linear_cross_entropy" in _patterns(compiled)
     assert not _logit_tangents(_bw(compiled), vocab)
+    graph = fxmem.compilations(compiled)[-1].graphs[-1]
+    joint = graph.plan.problem.joint
+    scatters = [n for n in joint.gm.graph.nodes if n.target in (aten.index_put.default,
+                                                                aten._unsafe_masked_index_put_accumulate.default)]
+    assert scatters and all(n.args[0].target not in (aten.zeros.default, aten.full.default) for n in scatters)

@@ -52,6 +52,22 @@ def write_candidates(n: fx.Node) -> list[tuple[fx.Node, Any]]:
             and (isinstance(b, (int, float)) or _broadcasts_to(b, a))]
 
 
+_SCATTERS = {torch.ops.aten.index_put.default: 2, torch.ops.aten._unsafe_masked_index_put_accumulate.default: 3}
+
+
+def scatter_candidates(n: fx.Node) -> list[tuple[fx.Node, Any]]:
+    """``(a, values)`` for an accumulating scatter into ``a`` (``index_put(a, ..., accumulate=True)``,
+    the masked form torch decomposes an embedding's gradient into): what Inductor re-inplaces
+    where ``a`` dies there, as the tied embedding's gradient scattered into the head's
+    (``remat.fences.scatter_into_sums``). Inductor's write reuse as far as the simulator models it."""
+    if n.op != "call_function" or n.target not in _SCATTERS:
+        return []
+    if n.target is torch.ops.aten.index_put.default and not (len(n.args) > 3 and n.args[3] is True):
+        return []
+    a, values = n.args[0], n.args[_SCATTERS[n.target]]
+    return [(a, values)] if isinstance(a, fx.Node) and _fresh_contiguous(n.meta.get("val"), a.meta.get("val")) else []
+
+
 def dead_writes(body: Sequence[fx.Node], root: Mapping[fx.Node, fx.Node], last: Mapping[fx.Node, int],
                 pos: Mapping[fx.Node, int], ran: Collection[fx.Node],
                 candidates: Callable[[fx.Node], list] = write_candidates) -> dict[fx.Node, tuple[fx.Node, Any]]:

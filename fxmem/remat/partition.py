@@ -31,6 +31,7 @@ from ..options import Options
 from ..step_in_backward.graph import Rewritten, released_outputs, rewrite
 from .budget import BudgetError
 from .compromise import pack_masks
+from .fences import scatter_into_sums
 from .context import PlanContext
 from .plan import Plan, plan
 from .replay import make_replayable
@@ -64,9 +65,13 @@ class PlannedGraph:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings) -> JointGraph:
-    """Stage: the joint graph, a tied embedding's gradient summed into its other use's
-    (``tied``), its random ops made replayable (and, at level 2, dropout masks packed)."""
+    """Stage: the joint graph, a tied embedding's gradient summed into its other use's (``tied``
+    for eager's kernel; for Inductor's decomposition, scattered into it: ``fences.scatter_into_sums``,
+    which the simulator then counts in place), its random ops made replayable (and, at level 2,
+    dropout masks packed)."""
     accumulate_tied_embeddings(gm)
+    if settings.target.inplace_scatters:
+        scatter_into_sums(gm)
     joint = JointGraph.of(gm, num_fwd_outputs)
     if make_replayable(joint):
         joint = JointGraph.of(gm, num_fwd_outputs)

@@ -9,11 +9,11 @@ budgets: there ``memory_budget`` chooses the microbatch size) and passes it down
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch.fx as fx
 
-from ..graph.reuse import reuse_dead_buffers
+from ..graph.reuse import reuse_dead_buffers, scatter_candidates, write_candidates
 from ..options import Options, Rule
 from .fences import for_inductor, random_in_order
 from .split import Split
@@ -31,6 +31,15 @@ class Target:
     reuses_buffers: bool
     input_views: bool
     exact_peak: bool
+    # ``reuses_buffers`` off, an accumulating scatter still writes into a summand that dies there
+    # (Inductor re-inplaces it): the tied embedding's gradient scattered into the head's
+    # (``fences.scatter_into_sums``, applied to the joint graph before planning)
+    inplace_scatters: bool = False
+
+    def writes(self) -> Callable[[fx.Node], list] | None:
+        """Which arguments an op may write its result into (``graph.reuse``) as this inner compiler
+        runs it, for the step simulator; None: none."""
+        return write_candidates if self.reuses_buffers else scatter_candidates if self.inplace_scatters else None
 
     def finish(self, split: Split, memory_first: bool = False) -> tuple[fx.GraphModule, fx.GraphModule]:
         """The forward and backward graphs for the inner compiler. Eager: the split's own graphs
@@ -47,7 +56,7 @@ class Target:
 
 
 EAGER = Target("eager", reuses_buffers=True, input_views=True, exact_peak=True)
-INDUCTOR = Target("inductor", reuses_buffers=False, input_views=False, exact_peak=False)
+INDUCTOR = Target("inductor", reuses_buffers=False, input_views=False, exact_peak=False, inplace_scatters=True)
 TARGETS = {t.name: t for t in (EAGER, INDUCTOR)}
 
 

@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, 
 
 from ..graph.joint import JointGraph, ancestors
 from ..graph.liveness import AtShape, NodeFacts, peak_bytes, storage_roots, walk
-from ..graph.reuse import dead_writes, write_candidates
+from ..graph.reuse import dead_writes
 from ..graph.sizes import SymbolicSizes
 from .fusion import fused_away, fused_facts
 from .replay import generator_state
@@ -42,8 +42,9 @@ class StepPeak:
         self._storage = storage_roots(joint.gm)  # a kept view holds its whole storage (liveness.kept_storages)
         self._symbols = {n: free_symbols(n.meta.get("val")) for n in nodes}
         self._facts, self._bytes = NodeFacts(nodes), AtShape(sizes)
-        writes = {n: write_candidates(n) for n in nodes}
-        self._reuse = partial(dead_writes, candidates=writes.__getitem__) if target.reuses_buffers else None
+        candidates = target.writes()
+        writes = {n: candidates(n) for n in nodes} if candidates is not None else {}
+        self._reuse = partial(dead_writes, candidates=writes.__getitem__) if candidates is not None else None
 
     def __call__(self, saved) -> int:
         return max(self._phases(saved, fused=False))
