@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 import fxmem
 from fxmem.graph.inplace import _embedding_backward_into, embedding_backward_add
-from fxmem.profiling import step_perf
 from fxmem.graph.liveness import last_reads, storage_roots
 from fxmem.graph.reuse import dead_writes, scatter_candidates
+from fxmem.profiling import step_perf
 from fxmem.remat.fences import scatter_into_sums
 from fxmem.remat.settings import EAGER, INDUCTOR
 from fxmem.testing.checks import _unoptimized

@@ -462,8 +462,9 @@ def test_hf_gpt2_tied_with_the_default_lowering(inner):
     steps with the step in the backward equal the same compile's steps after it. Dropout off: two
     separate compiles draw their masks from one generator at different points (a compile's
     measurements may draw too), so equal masks would need more than equal seeds."""
-    from fxmem.options import RECOMMENDED_LOWERING
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fxmem.options import RECOMMENDED_LOWERING
 
     def make():
         torch.manual_seed(0)

@@ -31,8 +31,8 @@ from ..options import Options
 from ..step_in_backward.graph import Rewritten, released_outputs, rewrite
 from .budget import BudgetError
 from .compromise import pack_masks
-from .fences import scatter_into_sums
 from .context import PlanContext
+from .fences import scatter_into_sums
 from .plan import Plan, plan
 from .replay import make_replayable
 from .settings import PlanSettings
