@@ -741,7 +741,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
          "step over the largest |parameter|.",
          tables=(Table("main", (
              Column("inner", "inner", number=False), Column("autocast", "autocast", number=False),
-             Column("steps", "steps", "d"), Column("max |diff|", "max_abs_diff", ".2e"),
+             Column("steps", "steps", "d"), Column("max abs diff", "max_abs_diff", ".2e"),
              Column("/ largest", "rel_to_largest", ".2e"),
              Column("<= 1e-5", lambda r: "yes" if r["met"] else "no", number=False),
              Column("gradients left", "grads_left", "d"), Column("fxmem s", "fxmem_s", ".0f"),
