@@ -226,7 +226,9 @@ RELEASE = Spec("release", ("model", "config", "autocast"), tables=(Table("main",
          "it (parameters and AdamW state not counted; gradients, activations and the step's temporaries "
          "are); `+step_in_backward` runs the step inside the backward (docs/options.md#step_in_backward). "
          "Predicted: fxmem's `predict_peak` at the batch, against the measured peak of what fxmem compiled "
-         "(forward and backward; the whole step with `+step_in_backward`). Step ms: median of the timed steps.",
+         "(forward and backward; the whole step with `+step_in_backward`). Step ms: median of the timed steps; "
+         "they compare only within one invocation of bench/run.py (rows re-measured with `--keep` ran at "
+         "another time and load: their time ratios are not measurements side by side).",
     notes=_run_notes)
 
 # --- bench/studies/interleaved.py: step times side by side in one process ---------------------------
