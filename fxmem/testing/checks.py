@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import copy
+import weakref
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -32,10 +33,13 @@ def _loss(out: Any) -> torch.Tensor:
     return loss
 
 
-def _step(model, inputs, seed):
+def _step(model, inputs, seed, between: Callable[[], None] = lambda: None):
+    """The loss and every parameter's gradient (the model's output dropped once the loss is read,
+    as a training loop does); ``between`` runs after the forward, before the backward."""
     torch.manual_seed(seed)
     loss = _loss(model(**inputs))
     params = [p for p in model.parameters() if p.requires_grad]
+    between()
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return loss, grads
 
@@ -70,6 +74,7 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
     compiled = torch.compile(test_model, backend="fxmem", options=options, dynamic=dynamic)
     keep = {t.untyped_storage().data_ptr() for t in [*test_model.parameters(), *test_model.buffers()]}
     keep |= {t.untyped_storage().data_ptr() for t in inputs.values() if isinstance(t, torch.Tensor)}
+    saved: dict[int, tuple[int, weakref.ref]] = {}
     held: dict[int, int] = {}
 
     def pack(t):
@@ -78,11 +83,15 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
         # "tensorify" floats, e.g. a norm's eps): an input, like the model's own, not an activation.
         lifted_float = t.dim() == 0 and t.dtype == torch.float64
         if ptr not in keep and not lifted_float:
-            held[ptr] = t.untyped_storage().nbytes()
+            saved[ptr] = t.untyped_storage().nbytes(), weakref.ref(t)
         return t
 
+    def at_backward():  # held between forward and backward: still saved once the output is dropped
+        # (returned logits' operands, fxmem.lowering.returned, are freed with the logits)
+        held.update({ptr: n for ptr, (n, ref) in saved.items() if ref() is not None})
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, grads = _step(compiled, inputs, seed)
+        loss, grads = _step(compiled, inputs, seed, at_backward)
     torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol,
                                msg=lambda m: f"fxmem changed the loss: {m}")
     worst = 0.0
