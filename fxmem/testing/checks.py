@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import copy
-import weakref
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
