@@ -33,6 +33,7 @@ ENV_CACHE = "FXMEM_CACHE"  # the folder of the measurements' cache (fxmem.measur
 INNER_COMPILERS = ("inductor", "eager")
 LOWERING_PATTERNS = (
     "fused_linear_cross_entropy", "bias_gelu", "layer_norm", "rms_norm", "swiglu", "geglu", "dropout",
+    "attention_dropout",
 )
 RECOMMENDED_LOWERING = MappingProxyType({"dropout": False})
 _STRATEGIES = {0: "none", 1: "recompute", 2: "compromised"}

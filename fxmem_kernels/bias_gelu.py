@@ -1,7 +1,8 @@
 """Bias + GELU (erf and tanh forms): ``gelu(x + bias)``.
 
 The forward is fused; the backward recomputes the activation's derivative from ``x`` and
-``bias`` instead of keeping the pre-activation ``x + bias``. The bias gradient is the row sum of
+``bias`` instead of keeping the pre-activation ``x + bias`` (the portable backward forms it a block
+of rows at a time, so nothing input-sized is alive beside its output). The bias gradient is the row sum of
 ``dx``, left to PyTorch (a reduction across rows is not what an elementwise kernel is for).
 """
 from __future__ import annotations
@@ -15,6 +16,13 @@ from ._common import HAS_TRITON, launcher, once_differentiable, rowwise_vmap, us
 
 APPROXIMATIONS = ("none", "tanh")
 _BLOCK = 1024
+# The portable backward's block: rows of at most this many elements (1 MiB of fp32), at least one row.
+BACKWARD_BLOCK_ELEMENTS = 2**18
+
+
+def backward_block_rows(row_elements) -> int:
+    """Rows per block of the portable backward (ints; ``graph.scratch`` counts the same)."""
+    return max(1, BACKWARD_BLOCK_ELEMENTS // max(1, int(row_elements)))
 
 if HAS_TRITON:
     import triton
@@ -98,9 +106,21 @@ def bias_gelu_backward_op(grad_y: Tensor, x: Tensor, bias: Optional[Tensor],
     if use_triton(impl, x):
         return _launch(_gelu_bwd_kernel, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        grad_y, x=x, bias=bias, approximate=approximate)
-    # aten's fused gelu_backward recomputes the derivative from the pre-activation.
-    z = x.float() + bias if bias is not None else x.float()
-    return torch.ops.aten.gelu_backward(grad_y.float(), z, approximate=approximate).to(x.dtype)
+    # aten's fused gelu_backward recomputes the derivative from the pre-activation, formed (and
+    # cast to fp32) a block of rows at a time: no input-sized temporary beside the output.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    grads, outs = grad_y.reshape(rows.shape), out.view(rows.shape)
+    step = backward_block_rows(rows.shape[-1])
+    for i in range(0, rows.shape[0], step):
+        z = rows[i:i + step].float() + bias if bias is not None else rows[i:i + step].float()
+        g = grads[i:i + step].float()
+        if outs.dtype == torch.float32:
+            torch.ops.aten.gelu_backward.grad_input(g, z, approximate=approximate, grad_input=outs[i:i + step])
+        else:
+            outs[i:i + step] = torch.ops.aten.gelu_backward(g, z, approximate=approximate)
+        del z, g
+    return out
 
 
 @bias_gelu_backward_op.register_fake

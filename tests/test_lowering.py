@@ -186,7 +186,8 @@ def test_a_bias_added_to_the_logits_is_fused_into_the_loss(bias, returned):
     assert not any("log_softmax" in str(n.target) for n in fw.graph.nodes)
 
 
-ZOO_COUNTS = {"t5": {"fused_linear_cross_entropy": 1, "rms_norm": 12},  # T5's norm: w * (x * rsqrt(...))
+# T5's norm is w * (x * rsqrt(...)); its SDPA with dropout is lowered where its position bias needs no gradient.
+ZOO_COUNTS = {"t5": {"fused_linear_cross_entropy": 1, "rms_norm": 12, "attention_dropout": 2},
               "bart": {"fused_linear_cross_entropy": 1, "bias_gelu": 4, "layer_norm": 12}}
 
 
@@ -482,3 +483,77 @@ def test_inductor_inner_runs_the_fused_ops():
         assert _rel(p.grad, q.grad) <= 1e-4
     assert _counts(fxmem.compilations(compiled)[-1].graphs[-1].report) == {
         "fused_linear_cross_entropy": 1, "geglu": 1, "bias_gelu": 1, "rms_norm": 1}
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_bert"])
+def test_attention_with_dropout_is_lowered_and_equals_eager(name):
+    """HF GPT-2 (a bool causal mask) and BERT (no mask) as shipped, dropout 0.1: SDPA on CPU takes
+    the math path. Lowered, the step draws eager's dropout masks and gives eager's loss and gradients
+    (the other fused ops round within rtol 1e-5)."""
+    w = build(name, **dict(HF, vocab=1100, dropout=0.1))
+    assert_same_training_step(w.model, w.batch, {"inner": "eager", "level": 1})
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(w.model), backend="fxmem", options={"inner": "eager", "level": 1})
+    _step(compiled, w.batch)
+    assert _counts(fxmem.report(compiled).graphs[-1])["attention_dropout"] == HF["layers"]
+    split = fxmem.compilations(compiled)[-1].graphs[-1].split
+    assert "attention" in _fused_ops(split.fw) and "attention_backward" in _fused_ops(split.bw)
+
+
+class Attend(nn.Module):
+    """Plain PyTorch self-attention with ``is_causal`` and dropout, and one whose mask is learned
+    (the pattern leaves that one alone: the mask would need a gradient)."""
+
+    def __init__(self, d=16, heads=2, learned_mask=False):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+        self.bias = nn.Parameter(torch.zeros(1, 1, 1, 12)) if learned_mask else None
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.bias is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[..., :s], dropout_p=0.2)
+        return self.out(y.transpose(1, 2).reshape(b, s, d)).pow(2).mean()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_attention_with_dropout_under_autocast_and_changing_shapes(autocast):
+    """``is_causal`` and bf16 autocast (CPU autocast runs SDPA in bf16; the kernel then computes in
+    fp32 as the math path does), one dynamic compile over two shapes: eager's numbers."""
+    torch.manual_seed(0)
+    model = Attend()
+    ref_model, test_model = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = torch.compile(test_model, backend="fxmem", options={"inner": "eager", "level": 1}, dynamic=True)
+    for b, s in ((2, 12), (3, 9)):
+        x = torch.randn(b, s, 16)
+        losses = []
+        for m in (ref_model, compiled):
+            torch.manual_seed(b)
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                loss = m(x)
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1])
+    for p, q in zip(test_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    comps = fxmem.compilations(compiled)
+    assert len(comps) == 1 and _counts(comps[-1].graphs[-1].report) == {"attention_dropout": 1}
+
+
+def test_attention_with_a_learned_mask_is_left_alone_with_the_reason():
+    torch.manual_seed(0)
+    model, x = Attend(learned_mask=True), torch.randn(2, 12, 16)
+    compiled = torch.compile(copy.deepcopy(model), backend="fxmem", options={"inner": "eager"})
+    torch.manual_seed(1)
+    loss = compiled(x)
+    loss.backward()
+    torch.manual_seed(1)
+    ref = model(x)
+    ref.backward()
+    assert torch.equal(loss, ref)
+    g = fxmem.report(compiled).graphs[-1]
+    assert "attention_dropout" not in _counts(g)
+    assert any("attention_dropout" in n and "needs a gradient" in n for n in g.lowering_notes)

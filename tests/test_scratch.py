@@ -256,3 +256,38 @@ def test_fxmem_kernels_portable_path_temporaries_match_the_allocator(shape, dtyp
         got, out = measured(op, *args)
         predicted = int(op_scratch(op, args, {}, out))
         assert abs(predicted - got) <= 16 + 32 * shape[-1], (op, dtype, predicted, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1024, 3072), (3, 700, 999)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_gelu_backward_works_in_blocks_of_rows_and_counts_one(shape, dtype, bias):
+    """GPT-2's MLP width (several blocks) and rows that do not divide a block: one block's fp32
+    pre-activation (and, in bf16, its fp32 casts) is the whole temporary, exactly."""
+    import fxmem_kernels  # noqa: F401  (registers fxmem::bias_gelu_backward)
+
+    op = torch.ops.fxmem.bias_gelu_backward.default
+    x = torch.randn(shape).to(dtype)
+    args = (x, x, torch.randn(shape[-1]).to(dtype) if bias else None)
+    got, out = measured(op, *args)
+    assert int(op_scratch(op, args, {}, out)) == got
+    assert got <= 12 * 2**18 + 12 * shape[-1]  # a block, not the input: 12 bytes per element at most
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("shapes", [((2, 12, 512, 64), 512, 64), ((2, 4, 128, 32), 96, 16), ((1, 2, 7, 5), 9, 3)])
+def test_attention_slices_are_counted_exactly(shapes, mask, dtype):
+    """fxmem::attention and its backward: three fp32 blocks of a slice's scores, a bool mask's
+    additive form, and in bf16 the slice's fp32 operands (GPT-2 small's shape: 2 heads a slice)."""
+    from fxmem_kernels.attention import dropout_mask
+
+    (b, h, length, dim), keys, v_dim = shapes
+    q, k = torch.randn(b, h, length, dim).to(dtype), torch.randn(b, h, keys, dim).to(dtype)
+    v, go = torch.randn(b, h, keys, v_dim).to(dtype), torch.randn(b, h, length, v_dim).to(dtype)
+    m = {None: None, "bool": torch.rand(length, keys) > 0.2, "float": torch.randn(b, 1, 1, keys).to(dtype)}[mask]
+    keep = dropout_mask(q, k, 0.1)
+    for op, args in ((torch.ops.fxmem.attention.default, (q, k, v, m, keep, 0.1)),
+                     (torch.ops.fxmem.attention_backward.default, (go, q, k, v, m, keep, 0.1))):
+        got, out = measured(op, *args)
+        assert int(op_scratch(op, args, {}, out)) == got, op

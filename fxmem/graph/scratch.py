@@ -4,7 +4,7 @@ Liveness adds them as a transient allocation at the op, on top of what is alive 
 inputs and its outputs). Known:
 
 - fxmem's fused linear cross-entropy, which keeps a chunk of logits in flight (its workspace),
-  and its other kernels' PyTorch paths (fp32 casts, ``x + bias``, per-row sums);
+  its attention's slices of scores, and its other kernels' PyTorch paths (fp32 casts, ``x + bias``, per-row sums);
 - ATen's CPU kernels that build a full-size temporary, measured with the profiler's allocator
   events (``tests/test_scratch.py`` measures each again): ``native_dropout`` draws a float mask
   the size of its input before casting it to bool, ``native_dropout_backward`` multiplies by the
@@ -133,15 +133,36 @@ def _embedding_backward_add(target, args, kwargs, out) -> sympy.Expr:
     return 16 * _numel(ids) + tensor_bytes(grad) * (2 if isinstance(pad, int) and pad >= 0 else 1)
 
 
+def _attention(target, args, kwargs, out) -> sympy.Expr:
+    """``fxmem_kernels.attention``'s slices (its own formula, measured by ``tests/test_scratch.py``)."""
+    from fxmem_kernels.attention import scratch_bytes as attention_scratch
+
+    a = _arguments(target, args, kwargs)
+    q, k, v, mask = (value_of(a[n]) for n in ("q", "k", "v", "attn_mask"))
+    shape = (lambda t: [dim_expr(d) for d in t.shape])
+    return sympy.sympify(attention_scratch(
+        shape(q), shape(k), dim_expr(v.shape[-1]), low=q.dtype in (torch.float16, torch.bfloat16),
+        bool_mask=isinstance(mask, torch.Tensor) and mask.dtype == torch.bool,
+        backward=target._schema.name == "fxmem::attention_backward", slice_bytes=a["slice_bytes"]))
+
+
+def _gelu_block(rows: sympy.Expr, d: sympy.Expr) -> sympy.Expr:
+    """Elements of one block of ``fxmem_kernels.bias_gelu``'s portable backward (whole rows)."""
+    from fxmem_kernels.bias_gelu import BACKWARD_BLOCK_ELEMENTS
+
+    return sympy.Min(rows, sympy.Max(1, sympy.floor(BACKWARD_BLOCK_ELEMENTS / d))) * d
+
+
 def _has(a: dict, name: str) -> int:
     return int(a.get(name) is not None)
 
 
 # Measured on CPU in fp32 and bf16 (tests/test_scratch.py): the fp32 casts of low-precision
-# inputs, ``x + bias`` before the GELU derivative, fp32 copies of a norm's weight, per-row sums.
+# inputs, ``x + bias`` before the GELU derivative (a block of rows at a time), fp32 copies of a
+# norm's weight, per-row sums.
 _FXMEM_KERNELS = {
     "fxmem::bias_gelu": lambda n, d, rows, low, a: (6 * n + 4 * d * _has(a, "bias")) if low else 0,
-    "fxmem::bias_gelu_backward": lambda n, d, rows, low, a: 10 * n if low else 4 * n * _has(a, "bias"),
+    "fxmem::bias_gelu_backward": lambda n, d, rows, low, a: (12 if low else 4 * _has(a, "bias")) * _gelu_block(rows, d),
     "fxmem::layer_norm": lambda n, d, rows, low, a: 8 * d if low else 0,
     "fxmem::layer_norm_backward": lambda n, d, rows, low, a: 16 * d if low else 8 * d,
     "fxmem::rms_norm": lambda n, d, rows, low, a: 10 * n if low else 4 * n + 4 * d + 12,
@@ -152,6 +173,8 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     "fxmem::linear_cross_entropy": _linear_cross_entropy,
     "fxmem::linear_cross_entropy_backward": _linear_cross_entropy,
     "fxmem::embedding_backward_add": _embedding_backward_add,
+    "fxmem::attention": _attention,
+    "fxmem::attention_backward": _attention,
     aten.native_dropout.default: _dropout,
     aten.native_dropout_backward.default: _cpu_bytes,
     aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),

@@ -249,3 +249,15 @@ def glu(gate: Tensor, up: Tensor, *, activation: str) -> Tensor:
 
 def dropout(x: Tensor, *, p: float) -> Tensor:
     return K.seeded_dropout(x, p, impl=_IMPL)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], *, dropout_p: float,
+              scale: Optional[float], is_causal: bool, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``F.scaled_dot_product_attention`` with dropout, in slices. The dropout mask is drawn here
+    as torch's CPU dropout draws it (the same generator, the same numbers), then handed to the
+    kernel; the planner sees it as the random op it is (replayed, never redrawn, if recomputed)."""
+    q, k, v = _cast(dtype, q, k, v)
+    if is_causal:  # the math path's mask: lower triangle kept
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    keep = K.attention_dropout_mask(q, k, dropout_p)
+    return K.attention(q, k, v, attn_mask, keep, dropout_p, scale=scale)

@@ -23,7 +23,7 @@ _FUNCTIONS = {
     F.gelu: "gelu", F.silu: "silu", F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm",
     F.cross_entropy: "cross_entropy", F.linear: "linear", torch.addmm: "addmm",
     F.dropout: "dropout", operator.getitem: "getitem", torch.flatten: "flatten",
-    torch.reshape: "reshape",
+    torch.reshape: "reshape", F.scaled_dot_product_attention: "scaled_dot_product_attention",
 }
 _METHODS = {
     "add", "sub", "mul", "div", "pow", "neg", "tanh", "erf", "rsqrt", "sqrt", "square", "mean",
@@ -39,6 +39,8 @@ _PARAMS = {
     "gelu": ("input", "approximate"),
     "silu": ("input", "inplace"),
     "dropout": ("input", "p", "training", "inplace"),
+    "scaled_dot_product_attention": ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                                     "enable_gqa"),
     "mean": ("input", "dim", "keepdim"),
     "pow": ("input", "exponent"),
     "to": ("input", "dtype"),

@@ -15,7 +15,9 @@ A match is ``proven`` when its fused form never raises the planned step peak and
 it cannot lower it; the backend applies the first and declines the second (unless its pattern is
 asked for by name) without comparing plans, and compares the rest (one trace, a second plan:
 ``fxmem.lowering.splice``; what that costs: bench/results/realistic-compile-time.md).
-Proven: the two norms (checked on the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``) and the fused
+Proven: the two norms (checked on the model zoo at levels 0, 1 and 2 by ``tests/test_lowering_proven.py``), attention
+with dropout on CPU (it keeps what the math path keeps but the dropout mask as bool, and holds
+slices where the math path holds whole score buffers) and the fused
 cross-entropy where its logits are at least CE_PROVEN_FROM times the gradients it keeps from the
 forward (without autocast: under it the fused loss is compared, see CE_PROVEN_FROM); futile: the
 fused cross-entropy below CE_FUTILE_BELOW times, whose fixed buffers then outweigh the logits
@@ -590,6 +592,42 @@ def find_dropout(n: fx.Node, ctx: Context):
     return Match(name, n, [n], fn.dropout, (x,), dict(p=float(p)))
 
 
+# -- attention with dropout -------------------------------------------------------------------
+def find_attention_dropout(n: fx.Node, ctx: Context):
+    """SDPA with dropout on CPU, which takes torch's math path (four [B, H, L, S] fp32 buffers per
+    layer between forward and backward); the flash kernels (no dropout, or CUDA) are left alone."""
+    name = "attention_dropout"
+    if op(n) != "scaled_dot_product_attention":
+        return None
+    q, k, v = arg(n, 0, "query"), arg(n, 1, "key"), arg(n, 2, "value")
+    mask, p = arg(n, 3, "attn_mask"), arg(n, 4, "dropout_p", 0.0)
+    causal, scale, gqa = arg(n, 5, "is_causal", False), arg(n, 6, "scale"), arg(n, 7, "enable_gqa", False)
+    if not is_number(p) or p == 0:
+        return None  # no dropout: the flash kernel, nothing to gain
+    tq, tk, tv, tm, out = tensor(q), tensor(k), tensor(v), tensor(mask), tensor(n)
+    if any(t is None for t in (tq, tk, tv, out)) or (mask is not None and tm is None):
+        return Skip(name, n, "q, k, v or the mask is not a tensor")
+    if tq.device.type != "cpu":
+        return Skip(name, n, f"on {tq.device.type}: torch's fused kernels take dropout there")
+    if not 0 < p < 1 or not isinstance(causal, bool) or gqa is not False or not (scale is None or is_number(scale)):
+        return Skip(name, n, "dropout_p, is_causal, scale or enable_gqa not plain constants (or GQA)")
+    if ctx.region.get(n) is not None:
+        return Skip(name, n, "inside vmap")
+    if any(t.dim() != 4 for t in (tq, tk, tv)) or tq.shape[:2] != tk.shape[:2] or tk.shape[:3] != tv.shape[:3]:
+        return Skip(name, n, "not [batch, heads, length, dim] q, k, v with the same batch and heads")
+    if causal and mask is not None:
+        return Skip(name, n, "both attn_mask and is_causal")
+    if tm is not None and (tm.requires_grad or tm.dim() > 4 or not (tm.dtype == torch.bool or tm.is_floating_point())):
+        return Skip(name, n, "the mask needs a gradient, has more than 4 dims, or is not bool/float")
+    autocast = ctx.amp(n)
+    cast = amp.compute_dtype("matmul", *autocast) if autocast is not None else None  # CPU autocast lists SDPA
+    if any(t.dtype not in FLOATS + (torch.float64,) for t in (tq, tk, tv)) or out.dtype != (cast or tq.dtype):
+        return Skip(name, n, f"dtypes: q {tq.dtype}, output {out.dtype}")
+    return Match(name, n, [n], fn.attention, (q, k, v, mask),
+                 dict(dropout_p=float(p), scale=None if scale is None else float(scale), is_causal=causal,
+                      dtype=cast), proven=True)
+
+
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("fused_linear_cross_entropy",
             "F.cross_entropy(linear(h, W, b) [+ a [1, vocab] bias (BART's final_logits_bias)] "
@@ -614,6 +652,9 @@ PATTERNS: tuple[Pattern, ...] = (
             find_layer_norm),
     Pattern("dropout", "F.dropout(x, p > 0, training=True)", "fxmem::seeded_dropout (+ backward): "
             "mask regenerated from a seed", find_dropout),
+    Pattern("attention_dropout", "F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p > 0) on CPU "
+            "(the math path)", "fxmem::attention + fxmem::attention_backward: (batch, head) slices, "
+            "torch's dropout mask drawn as a bool input", find_attention_dropout),
 )
 BY_NAME = {p.name: p for p in PATTERNS}
 assert set(BY_NAME) == set(LOWERING_PATTERNS), "fxmem.options.LOWERING_PATTERNS and the table disagree"
