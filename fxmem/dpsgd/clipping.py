@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import types
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -195,7 +196,10 @@ class ClippedGradFn:
         self._compiled_at: dict[int, Callable] = {}
         self.compiled = self._compile_at(self._m) if self._fixed else \
             torch.compile(self._step, backend="fxmem", options=options)
-        self._records: list = []  # the fxmem.compilation.Compilation of every compile of this step
+        # fxmem.per_example.ChunkPlan of every compile of this step, oldest first: each the latest
+        # plan of its compile's record (weakly held: it dies with its compiled function)
+        self.plans: list = []
+        self._records: list[weakref.ref] = []
         self._warned = False
 
     def __repr__(self) -> str:
@@ -203,11 +207,15 @@ class ClippedGradFn:
                 f"batch_argnums={self.batch_argnums}, microbatch_size={self.microbatch_size!r}, "
                 f"memory_budget={self.memory_budget!r})")
 
-    @property
-    def plans(self) -> list:
-        """The per-example plan (``fxmem.per_example.ChunkPlan``) of every compile of this step,
-        oldest first, as its record holds it now."""
-        return [r.chunk_plan for r in self._records]
+    def _read_plans(self, records: list) -> None:
+        """``plans`` from the records of this step's compiles, where the per-example pass records
+        its plan (a decision taken at run time replaces a record's plan with a new one)."""
+        for c in records:
+            if c.chunk_plan is not None and all(r() is not c for r in self._records):
+                self._records.append(weakref.ref(c))
+                self.plans.append(c.chunk_plan)
+        latest = [r() for r in self._records]
+        self.plans = [p if c is None else c.chunk_plan for c, p in zip(latest, self.plans)]
 
     def batch_size(self, args: Sequence[Any]) -> int:
         """The batch size of ``args`` (the size of dim 0 shared by every batch argument)."""
@@ -252,9 +260,7 @@ class ClippedGradFn:
                 self._choose(args, batch)
             out = self._in_chunks(args, batch) if self._fixed else self.compiled(*self._static_examples(args))
         params = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
-        for c in compilations(self.compiled, match=params):  # where the per-example pass records its plan
-            if c.chunk_plan is not None and all(r is not c for r in self._records):
-                self._records.append(c)
+        self._read_plans(compilations(self.compiled, match=params))
         if self.microbatch_size is not None and not self._warned and self.chosen_microbatch_size() is None:
             self._warned = True  # once: the same step would say the same every call
             why = (self.plans[-1].reason if self.plans and self.plans[-1].reason else
