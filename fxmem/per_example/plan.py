@@ -17,12 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from .microbatch import line_peak
-
-if TYPE_CHECKING:
-    from ..compilation import Compilation
 
 __all__ = ["ChunkPlan", "record_plan", "update_plan"]
 
@@ -60,13 +57,19 @@ class ChunkPlan:
                     ghost=[d.summary() for d in self.ghost])
 
 
-def record_plan(record: Compilation, plan: ChunkPlan) -> ChunkPlan:
+class Record(Protocol):
+    """Where a plan is recorded: ``fxmem.compilation.Compilation`` (named by its one attribute
+    here, since ``compilation.py`` imports this module)."""
+    chunk_plan: ChunkPlan | None
+
+
+def record_plan(record: Record, plan: ChunkPlan) -> ChunkPlan:
     """Make ``plan`` the record's per-example plan; returns it."""
     record.chunk_plan = plan
     return plan
 
 
-def update_plan(record: Compilation, **changes: Any) -> ChunkPlan | None:
+def update_plan(record: Record, **changes: Any) -> ChunkPlan | None:
     """Record a decision taken after the compile (``measured``, ``microbatch_size``,
     ``fused_norms``, ``ghost``) as a new plan replacing the record's; nothing when the record has
     no plan (the graph had no per-example region). Mappings and lists are copied, so that the
