@@ -30,7 +30,7 @@ from .options import Options
 
 if TYPE_CHECKING:
     from .lowering import Lowering
-    from .per_example.run import ChunkPlan
+    from .per_example.plan import ChunkPlan
     from .remat.partition import PlannedGraph
 
 

@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import types
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -195,13 +196,26 @@ class ClippedGradFn:
         self._compiled_at: dict[int, Callable] = {}
         self.compiled = self._compile_at(self._m) if self._fixed else \
             torch.compile(self._step, backend="fxmem", options=options)
-        self.plans: list = []  # fxmem.per_example.ChunkPlan of every compile of this step
+        # fxmem.per_example.ChunkPlan of every compile of this step, oldest first: each the latest
+        # plan of its compile's record (weakly held: it dies with its compiled function)
+        self.plans: list = []
+        self._records: list[weakref.ref] = []
         self._warned = False
 
     def __repr__(self) -> str:
         return (f"ClippedGradFn(clipping_norm={self.clipping_norm}, argnums={self.argnums}, "
                 f"batch_argnums={self.batch_argnums}, microbatch_size={self.microbatch_size!r}, "
                 f"memory_budget={self.memory_budget!r})")
+
+    def _read_plans(self, records: list) -> None:
+        """``plans`` from the records of this step's compiles, where the per-example pass records
+        its plan (a decision taken at run time replaces a record's plan with a new one)."""
+        for c in records:
+            if c.chunk_plan is not None and all(r() is not c for r in self._records):
+                self._records.append(weakref.ref(c))
+                self.plans.append(c.chunk_plan)
+        latest = [r() for r in self._records]
+        self.plans = [p if c is None else c.chunk_plan for c, p in zip(latest, self.plans)]
 
     def batch_size(self, args: Sequence[Any]) -> int:
         """The batch size of ``args`` (the size of dim 0 shared by every batch argument)."""
@@ -246,9 +260,7 @@ class ClippedGradFn:
                 self._choose(args, batch)
             out = self._in_chunks(args, batch) if self._fixed else self.compiled(*self._static_examples(args))
         params = [t for i in self.argnums for t in pytree.tree_leaves(args[i]) if isinstance(t, torch.Tensor)]
-        for c in compilations(self.compiled, match=params):  # what the per-example pass decided
-            if c.chunk_plan is not None and all(p is not c.chunk_plan for p in self.plans):
-                self.plans.append(c.chunk_plan)
+        self._read_plans(compilations(self.compiled, match=params))
         if self.microbatch_size is not None and not self._warned and self.chosen_microbatch_size() is None:
             self._warned = True  # once: the same step would say the same every call
             why = (self.plans[-1].reason if self.plans and self.plans[-1].reason else
@@ -261,20 +273,22 @@ class ClippedGradFn:
         return out
 
     def _in_chunks(self, args, batch: int) -> tuple:
-        """The compiled step over chunks of exactly ``microbatch_size`` examples, the last one
-        padded with examples of weight 0; sums added up in float32, per-example outputs cut to
-        the real examples."""
+        """The compiled step over chunks of exactly ``microbatch_size`` examples
+        (``microbatch.run_chunks``), the last one padded with examples of weight 0; sums added
+        up in float32, per-example outputs cut to the real examples."""
         m = self._m
         device = self._batch_tensor(args).device
-        acc, spec = microbatch.Accumulator(), None
-        for start, size in microbatch.spans(batch, m):
+        spec = None
+
+        def chunk(start: int, size: int) -> tuple:
+            nonlocal spec
             chunk_args, weights = microbatch.pad(args, self.batch_argnums, start, size, m, device)
             out = self.compiled(*chunk_args, weights)
             leaves, spec = pytree.tree_flatten(out[0])
-            acc.add(leaves, out[1:], size, inputs=chunk_args)
-            del out, leaves
+            return leaves, out[1:], chunk_args
+
         dtypes = [t.dtype for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor)]
-        sums, per_example = acc.result(dtypes)
+        sums, per_example = microbatch.run_chunks(batch, m, chunk, dtypes)
         return (pytree.tree_unflatten(sums, spec), *per_example)
 
     def _static_examples(self, args) -> list:
@@ -311,23 +325,17 @@ class ClippedGradFn:
     def _choose(self, args, batch: int) -> None:
         """``microbatch_size="auto"``: the largest chunk size (at most this first batch's size)
         whose compiled step fits ``memory_budget``, chosen once and kept. The search
-        (``microbatch.choose``) starts where the line through the uncompiled step's peaks on 1
+        (``microbatch.search``) starts where the line through the uncompiled step's peaks on 1
         and 2 examples crosses the budget (eager keeps every per-example gradient, so the line
         over-estimates and its size is safe), and measures at most two compiled sizes: each
         measurement is a compile; a first one within 25% of the budget is kept."""
-        from ..profiling import step_perf
-
         device = self._batch_tensor(args).device
         sums = sum(t.numel() * 4 for t in pytree.tree_leaves(self._diff_args(args)) if isinstance(t, torch.Tensor))
 
         def peak(m: int, step: Callable, warm_up: bool) -> int:
             chunk, w = microbatch.pad(args, self.batch_argnums, 0, min(m, batch), m, device)
-            if warm_up:
-                step(*chunk, w)  # compiles; first-call allocations are not the step's
-            with step_perf(device) as perf:
-                out = step(*chunk, w)
-            del out
-            return perf.result.peak_bytes
+            return microbatch.measured_peak(device, lambda: step(*chunk, w),
+                                            warm_up=(lambda: step(*chunk, w)) if warm_up else None)
 
         def compile_and_measure(m: int) -> int:
             self._m, self.compiled = m, self._compile_at(m)
@@ -335,13 +343,8 @@ class ClippedGradFn:
             return peak(m, self.compiled, warm_up=True) + sums
 
         c = self.auto = microbatch.AutoChoice(microbatch.auto_budget(self.memory_budget), batch)
-        c.eager = {m: peak(m, self._step, warm_up=False) for m in (1, 2)}
-        slope = max(c.eager[2] - c.eager[1], 1)
-        base = c.eager[1] - slope + sums
-        first = int(min(batch, max(1, (c.budget - base) // slope)))
-        c.predicted[first] = int(base + slope * first)
-        microbatch.choose(c, compile_and_measure, (first,), max_measures=2, tolerance=0.25,
-                          what="fxmem clipped_grad")
+        microbatch.search(c, compile_and_measure, probe=lambda m: peak(m, self._step, warm_up=False),
+                          overhead=sums, max_measures=2, tolerance=0.25, what="fxmem clipped_grad")
         self._m, self.compiled = c.chosen, self._compile_at(c.chosen)
 
     def _diff_args(self, args):

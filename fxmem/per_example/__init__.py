@@ -3,8 +3,8 @@ or a batch sum, and run them in microbatches (``options={"microbatch_size": m | 
 ``microbatch.py``). The backend's stage is :class:`~fxmem.per_example.stage.PerExampleStage`."""
 from __future__ import annotations
 
+from .plan import ChunkPlan
 from .regions import Unsupported
-from .run import ChunkPlan
 from .stage import PerExampleStage
 
 __all__ = ["ChunkPlan", "PerExampleStage", "Unsupported"]

@@ -1,33 +1,39 @@
 """Microbatches of a per-example region, shared by the backend's chunked step (``run.py``) and
-``fxmem.dpsgd.clipped_grad``: the option check, the chunk loop and ``"auto"``'s size search.
+``fxmem.dpsgd.clipped_grad``: the option check, the one chunk loop (:func:`run_chunks`) and the
+one ``"auto"`` size search (:func:`search`). Both callers use these and keep no loop or search of
+their own.
 
-    for start, size in spans(B, m):                 # B = 0 runs no chunk at all
-        acc.add(*run(start, size), size)            # batch sums added up in float32 or wider,
-    sums, per_example = acc.result(dtypes)          # rounded once; per-example outputs joined
+    sums, per_example = run_chunks(B, m, run, dtypes)   # run(start, size) -> one chunk's results
+    # inside: for start, size in spans(B, m) (B = 0 runs no chunk at all), the chunk's batch sums
+    # added up in float32 or wider and rounded once, its per-example outputs joined
 
 The backend runs the last chunk at its own size (one more chunk graph); ``clipped_grad`` pads
 it to ``m`` with :func:`pad` (the padding's weight 0 multiplies its clip factor, so it adds
 exactly 0) so that one compile serves every Poisson-sampled batch size.
 
-``microbatch_size="auto"`` (:func:`choose`): the largest chunk size whose measured step peak
+``microbatch_size="auto"`` (:func:`search`): the largest chunk size whose measured step peak
 fits ``memory_budget``. Peaks grow about linearly in m (not exactly: ghost norms and allocator
 effects bend the line), so each next size is read off the line through the two nearest
 measurements (through the origin while there is only one: every byte counted per example, an
 over-estimate of the slope at small m), then bracketed until the largest fitting size is next
 to a measured size over the budget, or until ``max_measures`` sizes were measured or the best
 fit is within ``tolerance`` of the budget (each measurement is a compile for ``clipped_grad``).
+The search starts from sizes measured exactly (the backend: each measurement is one run) or,
+where a measurement is a compile (``clipped_grad``), from the line through two cheap probes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..options import OptionError, parse_bytes
+from ..profiling import step_perf
 
-__all__ = ["Accumulator", "AutoChoice", "auto_budget", "choose", "pad", "spans"]
+__all__ = ["Accumulator", "AutoChoice", "auto_budget", "line_peak", "measured_peak", "pad", "run_chunks",
+           "search", "spans"]
 
 
 # --- the option ---------------------------------------------------------------------------------
@@ -119,6 +125,34 @@ class Accumulator:
         return sums, [torch.cat(parts, d) for parts, d in zip(self.per_example, dims)]
 
 
+def run_chunks(batch: int, m: int, run: Callable[[int, int], tuple], dtypes: Sequence[torch.dtype],
+               dims: Sequence[int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The chunk loop: ``run(start, size)`` runs the chunk of examples ``start .. start + size``
+    and returns ``(sums, per_example, inputs)``: its batch sums, its per-example outputs and the
+    inputs it ran on (see :meth:`Accumulator.add`). Returns the batch's sums, rounded to
+    ``dtypes``, and its per-example outputs, joined along ``dims``. A chunk's results are
+    dropped before the next chunk runs: between chunks only the running sums stay alive."""
+    acc = Accumulator(dims)
+    for start, size in spans(batch, m):
+        sums, per_example, inputs = run(start, size)
+        acc.add(sums, per_example, size, inputs=inputs)
+        del sums, per_example, inputs
+    return acc.result(dtypes)
+
+
+def measured_peak(device: torch.device | str, run: Callable[[], Any],
+                  warm_up: Callable[[], Any] | None = None) -> int:
+    """The exact peak in bytes of ``run()`` above what is live when it starts
+    (``fxmem.profiling.step_perf``), after ``warm_up()``: a first call's allocations (a compile,
+    caches) are not the step's. What ``run`` returns is dropped inside the measurement."""
+    if warm_up is not None:
+        warm_up()
+    with step_perf(device) as perf:
+        out = run()
+    del out
+    return perf.result.peak_bytes
+
+
 # --- "auto" -------------------------------------------------------------------------------------
 
 
@@ -134,16 +168,20 @@ class AutoChoice:
     chosen: int | None = None
 
     def peak(self, m: int) -> int:
-        """The step peak at m: measured where measured, else on the line through the two
-        nearest measured sizes."""
-        points = self.measured
-        if m in points:
-            return points[m]
-        near = sorted(points, key=lambda k: (abs(k - m), k))[:2]
-        if len(near) < 2:
-            return points[near[0]]
-        (m1, p1), (m2, p2) = sorted((k, points[k]) for k in near)
-        return int(p1 + (p2 - p1) * (m - m1) / (m2 - m1))
+        """The step peak at m (:func:`line_peak` of the measurements)."""
+        return line_peak(self.measured, m)
+
+
+def line_peak(points: Mapping[int, int], m: int) -> int:
+    """The step peak at m: measured where ``points`` (size -> measured peak) has it, else on the
+    line through the two nearest measured sizes."""
+    if m in points:
+        return points[m]
+    near = sorted(points, key=lambda k: (abs(k - m), k))[:2]
+    if len(near) < 2:
+        return points[near[0]]
+    (m1, p1), (m2, p2) = sorted((k, points[k]) for k in near)
+    return int(p1 + (p2 - p1) * (m - m1) / (m2 - m1))
 
 
 def _next_size(points: dict[int, int], budget: int) -> int:
@@ -163,12 +201,31 @@ def _next_size(points: dict[int, int], budget: int) -> int:
     return int(m1 + (budget - p1) // slope) if slope > 0 else 1 << 30
 
 
-def choose(c: AutoChoice, measure: Callable[[int], int], start: Sequence[int],
+def _probe_start(c: AutoChoice, probe: Callable[[int], int], overhead: int) -> int:
+    """Where the line through ``probe(1)`` and ``probe(2)`` (peaks of a cheap run that
+    over-estimates, e.g. an uncompiled step that keeps every per-example gradient), plus
+    ``overhead`` bytes, crosses the budget; records the probes in ``c.eager`` and the line's peak
+    there in ``c.predicted``."""
+    c.eager = {m: probe(m) for m in (1, 2)}
+    slope = max(c.eager[2] - c.eager[1], 1)
+    base = c.eager[1] - slope + overhead
+    first = int(min(c.max_size, max(1, (c.budget - base) // slope)))
+    c.predicted[first] = int(base + slope * first)
+    return first
+
+
+def search(c: AutoChoice, measure: Callable[[int], int], start: Sequence[int] = (), *,
+           probe: Callable[[int], int] | None = None, overhead: int = 0,
            max_measures: int | None = None, tolerance: float = 0.0, what: str = "fxmem") -> int:
-    """The largest size in ``1 .. c.max_size`` whose ``measure(m)`` (a step's peak in bytes) fits
-    ``c.budget``, starting from the sizes ``start``; records every measurement in ``c.measured``
-    and the choice in ``c.chosen``. Raises MemoryError when one example at a time is measured
-    over the budget."""
+    """The ``"auto"`` search: the largest size in ``1 .. c.max_size`` whose ``measure(m)`` (a
+    step's peak in bytes) fits ``c.budget``; records every measurement in ``c.measured`` and the
+    choice in ``c.chosen``. It starts from the sizes ``start``, or, with ``probe``, from the one
+    size where the line through two probes crosses the budget (:func:`_probe_start`: for a
+    caller whose every measurement is a compile). Raises MemoryError when one example at a time
+    is measured over the budget."""
+    if probe is not None:
+        start = (_probe_start(c, probe, overhead),)
+
     def take(m: int) -> int:
         m = min(max(m, 1), c.max_size)
         if m not in c.measured:

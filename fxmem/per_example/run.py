@@ -1,20 +1,27 @@
 """Run a split per-example graph (the stage's step, ``stage.py``): the outer graph once, the
-chunk graph over the batch in microbatches (``microbatch.py``: sums accumulated in fp32), the
-rest once.
-``microbatch_size="auto"`` measures whole steps' peaks (exact) at the sizes ``microbatch.choose``
-asks for and takes the largest m that fits the budget."""
+chunk graph over the batch in microbatches (``microbatch.run_chunks``: sums accumulated in fp32),
+the rest once.
+``microbatch_size="auto"`` measures whole steps' peaks (exact) at the sizes ``microbatch.search``
+asks for and takes the largest m that fits the budget.
+
+The plan (``plan.ChunkPlan``) is frozen: the step reads what the stage decided from it and
+records what it decides itself (``"auto"``'s size and measurements, the chunk graph's fused
+norms) through ``plan.update_plan``. Its own run-time state is the size in use and the compiled
+chunk functions."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.fx as fx
 
-from ..profiling import step_perf
 from . import microbatch
 from .chunk import RegionSplit
+from .plan import ChunkPlan, update_plan
+
+if TYPE_CHECKING:
+    from ..compilation import Compilation
 
 log = logging.getLogger("fxmem")
 
@@ -23,48 +30,22 @@ class _Ref(str):
     """A node name inside the output structure (plain strings there are constants)."""
 
 
-@dataclass
-class ChunkPlan:
-    """What the per-example pass decided for one graph (``Compilation.chunk_plan``)."""
-    batch_size: int
-    microbatch_size: int | None = None
-    requested: Any = None                      # the microbatch_size option
-    memory_budget: int | None = None
-    predicted_peak: Callable[[int], int] | None = field(default=None, repr=False)
-    measured: dict[int, int] = field(default_factory=dict)  # m -> measured step peak (bytes)
-    fused_sums: int = 0                        # clip-weighted batch sums done as matvecs
-    fused_norms: int = 0                       # global norms taken without concatenating
-    reason: str | None = None                  # why the graph was not chunked
-    whole_batch: bool = False                  # microbatch_size unset: one chunk (for ghost clipping)
-    ghost: list = field(default_factory=list)  # ghost.Decision per per-example weight gradient
-
-    @property
-    def chunked(self) -> bool:
-        return self.reason is None
-
-    def summary(self) -> dict:
-        """Plain data for reports and JSON."""
-        return dict(batch_size=self.batch_size, microbatch_size=self.microbatch_size,
-                    requested=self.requested, memory_budget=self.memory_budget,
-                    measured={int(k): int(v) for k, v in self.measured.items()},
-                    fused_sums=self.fused_sums, fused_norms=self.fused_norms,
-                    chunked=self.chunked, reason=self.reason, whole_batch=self.whole_batch,
-                    ghost=[d.summary() for d in self.ghost])
-
-
 def _signature(inputs: list) -> tuple:
     return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in inputs)
 
 
 class ChunkedStep:
-    """The chunked step. ``compile_chunk(gm, inputs, measure=False)`` compiles a chunk graph
-    (``measure=True``: for measuring its peak while choosing the size, with the eager inner
-    compiler)."""
+    """The chunked step: the split graph, the stage's frozen ``plan``, and the run-time state
+    (the chunk size in use, the compiled chunk graphs). ``compile_chunk(gm, inputs,
+    measure=False)`` compiles a chunk graph (``measure=True``: for measuring its peak while
+    choosing the size, with the eager inner compiler); ``record`` is the compile's record, where
+    later decisions go."""
 
-    def __init__(self, split: RegionSplit, plan: ChunkPlan, compile_chunk: Callable):
-        self.split, self.plan = split, plan
+    def __init__(self, split: RegionSplit, plan: ChunkPlan, compile_chunk: Callable, record: Compilation):
+        self.split, self.plan, self.record = split, plan, record
         self._compile = compile_chunk
-        self._compiled: dict[int, Callable] = {}
+        self._size: int | None = None if plan.whole_batch else plan.microbatch_size  # None: "auto", not chosen yet
+        self._compiled: dict[tuple, Callable] = {}
         self._spec = fx.node.map_aggregate(split.output_spec,
                                            lambda x: _Ref(x) if isinstance(x, str) else x)
 
@@ -74,7 +55,7 @@ class ChunkedStep:
             return self._compiled[key]
         log.debug("fxmem per-example: compiling the chunk graph for %d examples", m)
         chunk = self.split.make_chunk(m)
-        self.plan.fused_norms = chunk.fused_norms
+        update_plan(self.record, fused_norms=chunk.fused_norms)
         fn = self._compile(chunk.gm, inputs, measure=measure)
         if not measure:
             self._compiled[key] = fn
@@ -87,12 +68,11 @@ class ChunkedStep:
     def _step_peak(self, env: dict, m: int) -> int:
         """Exact peak of a whole step with chunk size m (above what is live at entry)."""
         fn = self._chunk_fn(m, self._inputs(env, 0, m), measure=True)
-        fn(*self._inputs(env, 0, m))  # warm-up: first-call allocations are not the step's
-        with step_perf(self._device(env)) as perf:
-            out = self._loop(env, m, lambda size, ins: fn(*ins) if size == m else
-                             self._chunk_fn(size, ins, measure=True)(*ins))
-        del out
-        return perf.result.peak_bytes
+        return microbatch.measured_peak(
+            self._device(env),
+            lambda: self._loop(env, m, lambda size, ins: fn(*ins) if size == m else
+                               self._chunk_fn(size, ins, measure=True)(*ins)),
+            warm_up=lambda: fn(*self._inputs(env, 0, m)))  # first-call allocations are not the step's
 
     def _device(self, env: dict) -> torch.device:
         for v in env.values():
@@ -102,13 +82,16 @@ class ChunkedStep:
 
     def _choose(self, env: dict) -> int:
         """The largest m whose measured step peak fits the budget, with m + 1 measured over it
-        (or m = the batch): ``microbatch.choose`` from m = 1 and 4, every size measured exactly."""
-        plan = self.plan
-        choice = microbatch.AutoChoice(plan.memory_budget, self._batch(env), measured=plan.measured)
-        plan.predicted_peak = choice.peak
-        m = microbatch.choose(choice, lambda m: self._step_peak(env, m), (1, min(choice.max_size, 4)))
+        (or m = the batch): ``microbatch.search`` from m = 1 and 4, every size measured exactly;
+        the record gets the measurements (also when the search fails) and the size."""
+        choice = microbatch.AutoChoice(self.plan.memory_budget, self._batch(env))
+        try:
+            m = microbatch.search(choice, lambda m: self._step_peak(env, m), (1, min(choice.max_size, 4)))
+        finally:
+            update_plan(self.record, measured=choice.measured)
+        update_plan(self.record, microbatch_size=m)
         log.info("fxmem per-example: microbatch_size=auto chose %d of %d (budget %d bytes, "
-                 "measured peak %d)", m, choice.max_size, choice.budget, plan.measured[m])
+                 "measured peak %d)", m, choice.max_size, choice.budget, choice.measured[m])
         return m
 
     def _batch(self, env: dict) -> int:
@@ -117,14 +100,17 @@ class ChunkedStep:
         return env[name].shape[dim]
 
     def _loop(self, env: dict, m: int, run: Callable) -> dict:
+        """The chunk graph over the batch in chunks of m (``microbatch.run_chunks``): the batch
+        sums and per-example outputs by name. ``run(size, inputs)`` runs one chunk."""
         split, n = self.split, len(self.split.partials)
-        acc = microbatch.Accumulator([dim for _, dim in split.chunk_batched_outputs])
-        for start, size in microbatch.spans(self._batch(env), m):
+
+        def chunk(start: int, size: int) -> tuple:
             ins = self._inputs(env, start, size)
             outs = run(size, ins)
-            acc.add(outs[:n], outs[n:], size, inputs=ins)
-            del outs
-        sums, parts = acc.result(split.partial_dtypes)
+            return outs[:n], outs[n:], ins
+
+        sums, parts = microbatch.run_chunks(self._batch(env), m, chunk, split.partial_dtypes,
+                                            [dim for _, dim in split.chunk_batched_outputs])
         return {**dict(zip(split.partials, sums)),
                 **{name: t for (name, _), t in zip(split.chunk_batched_outputs, parts)}}
 
@@ -134,9 +120,9 @@ class ChunkedStep:
         if self.plan.whole_batch:
             m = self._batch(env)
         else:
-            if self.plan.microbatch_size is None:
-                self.plan.microbatch_size = self._choose(env)
-            m = self.plan.microbatch_size
+            if self._size is None:
+                self._size = self._choose(env)
+            m = self._size
         env.update(self._loop(env, m, lambda size, ins: self._chunk_fn(size, ins)(*ins)))
         env.update(zip(split.rest_outputs, split.rest(*[env[n] for n in split.rest_inputs])))
         return fx.node.map_aggregate(self._spec, lambda x: env[x] if isinstance(x, _Ref) else x)

@@ -10,13 +10,14 @@ which compiles them when the chunked step (``run.py``) first runs at a size: the
 lowering on as a whole graph (lowering, AOTAutograd's flat graph with ghost norms, the recompute
 plan of its inner backward, the inner compiler, the report). A failure goes through the failure
 policy (``fxmem/fallback.py``: the graph runs unchunked with one warning, ``strict`` raises).
-The stage writes the compile's record of it: ``Compilation.chunk_plan`` (with the ghost
-decisions) and each chunk graph's report.
+The stage decides the compile's per-example plan (``plan.py``: a frozen ``ChunkPlan``, written
+to ``Compilation.chunk_plan`` by ``plan.record_plan``/``update_plan`` only, with the ghost
+decisions of its chunk graphs) and publishes each chunk graph's report.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Mapping
 
@@ -33,8 +34,9 @@ from .chunk import split_region
 from .flat import plan_flat
 from .ghost import Pass as GhostPass
 from .microbatch import auto_budget
+from .plan import ChunkPlan, record_plan, update_plan
 from .regions import Unsupported, find_regions
-from .run import ChunkedStep, ChunkPlan
+from .run import ChunkedStep
 
 if TYPE_CHECKING:
     from ..compilation import Compilation
@@ -91,8 +93,8 @@ def compile_chunk(gm: fx.GraphModule, example_inputs: list, compiler: ChunkCompi
     compiled = inner.compile_flat(gm, example_inputs, inner_name, lambda g: plan_flat(g, partitioner),
                                   rewrite=ghost_pass if ghost_pass.enabled else None,
                                   config=record.options.inductor_config())
-    if ghost_pass.decisions and record.chunk_plan is not None:
-        record.chunk_plan.ghost = ghost_pass.decisions
+    if ghost_pass.decisions:
+        update_plan(record, ghost=ghost_pass.decisions)
     publish(record, partitioner.planned, lowered)
     return ghost_pass.guard(compiled, lambda ins: compile_chunk(gm, ins, compiler, inner_name, False))
 
@@ -129,13 +131,14 @@ class PerExampleStage:
         if whole_batch and not options.ghost_clipping:
             return None
         plan = ChunkPlan(0, requested=options.microbatch_size)
+        found = False  # a region was found: the record gets the plan, whatever follows
         try:
             regions = find_regions(gm.graph)
             if not regions:
                 return None
-            self.record.chunk_plan = plan
+            found = True
             batch = regions[0].batch_size
-            plan.batch_size = batch if isinstance(batch, int) else _hint(batch)
+            plan = replace(plan, batch_size=batch if isinstance(batch, int) else _hint(batch))
             if len(regions) > 1:
                 raise Unsupported(f"{len(regions)} vmap regions in one graph; only one is chunked")
             if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
@@ -143,23 +146,25 @@ class PerExampleStage:
                 raise Unsupported("inputs require grad and grad mode is on: the chunked step has no "
                                   "outer backward; call it under torch.no_grad() or detach the inputs")
             if options.microbatch_size == "auto":
-                plan.memory_budget = auto_budget(options.memory_budget)
+                plan = replace(plan, memory_budget=auto_budget(options.memory_budget))
             elif not whole_batch:
-                plan.microbatch_size = options.microbatch_size
-            plan.whole_batch = whole_batch
+                plan = replace(plan, microbatch_size=options.microbatch_size)
+            plan = replace(plan, whole_batch=whole_batch)
             parts = split_region(gm, regions[0])
-            plan.fused_sums = parts.fused_sums
+            plan = replace(plan, fused_sums=parts.fused_sums)
         except Unsupported as e:
             if options.strict and not whole_batch:  # strict: what was asked for must happen; nothing was
                 raise
-            self.record.chunk_plan = plan
-            plan.reason = str(e)
+            found, plan = True, replace(plan, reason=str(e))
             if whole_batch:
                 log.debug("fxmem per-example: no ghost clipping for this graph: %s", e)
             else:
                 warn(f"fxmem per-example: not chunking this graph: {e}", detail=str(e))
             return None
-        return ChunkedStep(parts, plan, self.compiler)
+        finally:
+            if found:
+                record_plan(self.record, plan)
+        return ChunkedStep(parts, plan, self.compiler, self.record)
 
 
 def _hint(node: fx.Node) -> int:
