@@ -266,12 +266,22 @@ def _tiny() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def _opacus_script(PrivacyEngine, BatchMemoryManager=None, *, noise=1.0, epochs=2, **make_private_kwargs):
+def _bn_tiny() -> nn.Module:
+    """BatchNorm over 64 features: fixed, GroupNorm(32, 64), two values a group in one example."""
+    return nn.Sequential(nn.Linear(6, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 3))
+
+
+def _opacus_script(PrivacyEngine, BatchMemoryManager=None, *, noise=1.0, epochs=2, validator=None, make=_tiny,
+                   **make_private_kwargs):
     """An Opacus tutorial loop (40 examples, batch_size 10: sample rate 0.25, 4 steps an epoch);
-    ``PrivacyEngine``/``BatchMemoryManager`` are Opacus' or fxmem's (physical batches of at most
-    3). Returns (epsilon, engine, optimizer, [(x, y, step skipped) per physical batch])."""
+    ``PrivacyEngine``/``BatchMemoryManager``/``validator`` (``ModuleValidator``: the model is
+    fixed and validated first) are Opacus' or fxmem's (physical batches of at most 3). Returns
+    (epsilon, engine, optimizer, [(x, y, step skipped) per physical batch])."""
     torch.manual_seed(0)
-    model = _tiny()
+    model = make()
+    if validator is not None:
+        model = validator.fix(model)
+        assert validator.validate(model, strict=True) == []
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
     loader = DataLoader(data, batch_size=10)
@@ -359,14 +369,55 @@ def test_batch_memory_manager_script_runs_with_only_the_import_changed():
     sizes = [[len(x) for x, _ in batch] for batch in logical]
     assert any(len(s) >= 3 and len(set(s)) > 1 for s in sizes), sizes  # split unevenly (array_split's sizes)
     assert all(max(s) - min(s) <= 1 for s in sizes), sizes
-    names = [k for k, _ in _tiny().named_parameters()]
+    _assert_clipped_means(logical, records, sizes, _tiny)
+
+
+def _assert_clipped_means(logical, records, sizes, make) -> None:
+    """Each step's ``.grad`` (recorded) within 1e-4 of its logical batch's clipped mean (float64)."""
+    names = [k for k, _ in make().named_parameters()]
     for step, (batch, (params, grads)) in enumerate(zip(logical, records)):
-        model = _tiny()
-        model.load_state_dict(dict(zip(names, params)))
+        model = make()
+        model.load_state_dict(dict(zip(names, params)), strict=False)
         x, y = torch.cat([b[0] for b in batch]), torch.cat([b[1] for b in batch])
-        want_grad = clipped_mean_f64(model, x, y, expected=10, make=_tiny)
+        want_grad = clipped_mean_f64(model, x, y, expected=10, make=make)
         for k, gr in zip(names, grads):
             assert (gr.double() - want_grad[k]).abs().max() <= 1e-4, (step, k, sizes[step])
+
+
+@pytest.mark.slow
+def test_opacus_script_with_module_validator_runs_with_only_the_imports_changed():
+    """Issue #57's script: a BatchNorm model through ``ModuleValidator.fix``, ``PrivacyEngine``,
+    ``BatchMemoryManager`` and ``get_epsilon``, with Opacus' imports or fxmem's: the same fixed
+    model (GroupNorm), epsilon within 1% of Opacus', each step's ``.grad`` within 1e-4 of its
+    logical batch's clipped mean."""
+    import opacus
+    from opacus.utils.batch_memory_manager import BatchMemoryManager as OpacusBMM
+    from opacus.validators import ModuleValidator as OpacusValidator
+
+    from fxmem.dpsgd import BatchMemoryManager, ModuleValidator
+
+    fixed = ModuleValidator.fix(_bn_tiny())
+    assert [type(m) for m in fixed] == [type(m) for m in OpacusValidator.fix(_bn_tiny())]
+    assert not ModuleValidator.is_valid(_bn_tiny()) and ModuleValidator.is_valid(fixed)
+    with pytest.raises(TypeError, match="takes no options"):
+        ModuleValidator.fix(_bn_tiny(), num_groups=4)
+    script = dict(make=_bn_tiny)
+    want, *_ = _opacus_script(opacus.PrivacyEngine, OpacusBMM, validator=OpacusValidator, **script)
+    got, *_ = _opacus_script(PrivacyEngine, BatchMemoryManager, validator=ModuleValidator, **script, **FXMEM_KW)
+    print(f"ModuleValidator + BatchMemoryManager, epsilon at delta 1e-5: opacus {want:.4f}, fxmem {got:.4f}")
+    assert got == pytest.approx(want, rel=0.01)
+    _, _, opt, seen = _opacus_script(PrivacyEngine, BatchMemoryManager, noise=0.0, validator=ModuleValidator,
+                                     **script, **FXMEM_KW)
+    logical, current = [], []
+    for x, y, skipped in seen:
+        current.append((x, y))
+        if not skipped:
+            logical.append(current)
+            current = []
+    records = opt.original_optimizer.records
+    assert len(logical) == len(records) == 8
+    _assert_clipped_means(logical, records, [[len(x) for x, _ in b] for b in logical],
+                          lambda: ModuleValidator.fix(_bn_tiny()))
 
 
 def test_batch_memory_manager_skips_step_noise_and_accounting_inside_a_logical_batch():

@@ -44,7 +44,7 @@ from .noise import add_noise
 from .private import DPOptimizer, PrivacyEngine, PrivateModule, make_private, make_private_with_epsilon
 from .sampling import PoissonSampler, poisson_loader
 from .training import DPSGD, StepLog, train
-from .validate import UnsupportedModuleError, fix, validate
+from .validate import ModuleValidator, UnsupportedModuleError, fix, validate
 
 __all__ = [
     "ACCOUNTANTS",
@@ -52,6 +52,7 @@ __all__ = [
     "ClippedGradFn",
     "DPOptimizer",
     "DPSGD",
+    "ModuleValidator",
     "PoissonSampler",
     "StepLog",
     "PrivacyAccountant",

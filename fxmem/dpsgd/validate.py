@@ -26,7 +26,7 @@ from torch import nn
 
 from .rnn import LoopRNN
 
-__all__ = ["UnsupportedModuleError", "fix", "validate"]
+__all__ = ["ModuleValidator", "UnsupportedModuleError", "fix", "validate"]
 
 
 class UnsupportedModuleError(ValueError):
@@ -98,3 +98,32 @@ def fix(module: nn.Module) -> nn.Module:
             parent_name, _, attr = name.rpartition(".")
             setattr(out.get_submodule(parent_name), attr, new)
     return out
+
+
+class ModuleValidator:
+    """Opacus' ``opacus.validators.ModuleValidator`` spelling of :func:`validate` and :func:`fix`,
+    so that an Opacus script's ``ModuleValidator.fix(model)`` runs with only its import changed."""
+
+    @staticmethod
+    def validate(module: nn.Module, *, strict: bool = False) -> list[UnsupportedModuleError]:
+        """Opacus' ``validate``: the problems as a list; ``strict=True`` raises them instead."""
+        return validate(module, raise_errors=strict)
+
+    @staticmethod
+    def is_valid(module: nn.Module) -> bool:
+        return not validate(module)
+
+    @staticmethod
+    def fix(module: nn.Module, **kwargs) -> nn.Module:
+        """Opacus' ``fix``: a copy with every fixable problem fixed. Opacus hands ``kwargs`` to its
+        fixers; fxmem's take none, so any is an error naming it."""
+        if kwargs:
+            raise TypeError(f"fxmem.dpsgd.ModuleValidator.fix takes no options (got {', '.join(sorted(kwargs))}): "
+                            "BatchNorm becomes GroupNorm with min(32, C) groups, as Opacus' default")
+        return fix(module)
+
+    @staticmethod
+    def fix_and_validate(module: nn.Module) -> nn.Module:
+        fixed = fix(module)
+        validate(fixed, raise_errors=True)
+        return fixed
