@@ -7,7 +7,8 @@ each ``[batch, heads, L, S]`` in fp32 (GPT-2 small at 2 x 512: 24 MiB each, per 
 kernels (CPU without dropout, CUDA with or without) need no help; this one is for the math path.
 
 The kernel computes what the math path computes, slice by slice and op for op (torch 2.13's
-``_scaled_dot_product_attention_math``): ``q * sqrt(scale)`` times ``k^T * sqrt(scale)``, the mask
+``_scaled_dot_product_attention_math``): ``q * sqrt(scale)`` times ``k^T * sqrt(scale)`` (q's
+factor negated for a negative scale), the mask
 added (a bool mask as 0 / -inf), ``_safe_softmax``, then ``p * keep * 1/(1-p)`` as
 ``native_dropout`` does, then the product with ``v``; half-precision inputs are computed in fp32
 and the result cast back, as the math path does. The backward recomputes each slice's
@@ -40,23 +41,40 @@ SLICE_BYTES = 2 * 2**20
 def heads_per_slice(heads, length, keys, slice_bytes: int = SLICE_BYTES):
     """Heads computed together: as many as fit ``slice_bytes`` of fp32 ``[L, S]`` scores, at least
     one (ints or sympy expressions of them)."""
-    return sympy.Min(heads, sympy.Max(1, sympy.floor(sympy.Integer(int(slice_bytes)) / (4 * length * keys))))
+    per_head = sympy.Max(1, 4 * length * keys)
+    return sympy.Min(heads, sympy.Max(1, sympy.floor(sympy.Integer(int(slice_bytes)) / per_head)))
 
 
-def scratch_bytes(q_shape, k_shape, v_dim, *, low: bool, bool_mask: bool, backward: bool,
+def scratch_bytes(q_shape, k_shape, v_dim, *, low: bool, bool_mask: str, backward: bool,
                   slice_bytes: int = SLICE_BYTES):
     """Bytes a pass allocates and frees inside itself (the planner's transient at the op), for
     shapes as ints or sympy expressions; measured with the allocator by ``tests/test_scratch.py``.
-    Three fp32 blocks of one slice's scores are alive at once (forward: the scores, the
-    probabilities, the dropped ones; backward: the probabilities, the dropped ones' gradient, the
-    scores'), plus a bool mask's 0 / -inf form, plus, for half-precision inputs, the slice's fp32
-    copies of q, k and v (and of the output's gradient in backward)."""
+    ``bool_mask``: "" (none, or a float mask), "shared" (a bool mask broadcast over heads) or
+    "per_head" (one per head: its slice spans the slice's heads). Per slice, the largest of the
+    moments a pass goes through (B: one fp32 block of scores; Q, K: the slice's q and k rows in
+    fp32, O: its output rows):
+
+    - the scores' product: the scaled q and k^T and the scores (B + Q + K);
+    - ``_safe_softmax``: the scores, the softmax, its masked copy (3B); in backward also the
+      softmax's gradient beside the probabilities and the dropped ones' gradient (3B);
+    - forward, the output's product beside the dropped probabilities (B + O); backward, v's
+      gradient beside both probabilities (2B + its rows), and q's and k's gradients beside the
+      scores' (B + the product and its scaled copy: B + 2Q, B + 2K);
+
+    plus, all along, a bool mask's 0 / -inf form and, for half-precision inputs, the slice's fp32
+    copies of q, k, v (and of the output's gradient in backward)."""
     heads, length, dim = q_shape[-3], q_shape[-2], q_shape[-1]
     keys = k_shape[-2]
     hc = heads_per_slice(heads, length, keys, slice_bytes)
-    total = 3 * hc * length * keys * 4 + (length * keys * 4 if bool_mask else 0)
+    block, q_rows, k_rows = 4 * hc * length * keys, 4 * hc * length * dim, 4 * hc * keys * dim
+    if backward:
+        moments = (block + q_rows + k_rows, 3 * block, 2 * block + 4 * hc * keys * v_dim,
+                   block + 2 * q_rows, block + 2 * k_rows)
+    else:
+        moments = (block + q_rows + k_rows, 3 * block, block + 4 * hc * length * v_dim)
+    total = sympy.Max(*moments) + 4 * length * keys * {"": 0, "shared": 1, "per_head": hc}[bool_mask]
     if low:
-        total += 4 * hc * (length * dim + keys * dim + keys * v_dim + (length * v_dim if backward else 0))
+        total += q_rows + k_rows + 4 * hc * keys * v_dim + (4 * hc * length * v_dim if backward else 0)
     return total
 
 
@@ -111,12 +129,12 @@ def _mask_slice(attn_mask: Optional[Tensor], b: int, h: slice, acc: torch.dtype)
 class _Slice:
     """One slice's operands in the compute dtype, and the math path's forward up to the probabilities."""
 
-    def __init__(self, q, k, v, attn_mask, b, h, acc, root):
+    def __init__(self, q, k, v, attn_mask, b, h, acc, roots):
         self.q, self.k, self.v = (t[b, h].to(acc) for t in (q, k, v))
-        self.mask, self.root = _mask_slice(attn_mask, b, h, acc), root
+        self.mask, (self.q_root, self.k_root) = _mask_slice(attn_mask, b, h, acc), roots
 
     def probabilities(self) -> Tensor:
-        s = torch.matmul(self.q * self.root, self.k.transpose(-2, -1) * self.root)
+        s = torch.matmul(self.q * self.q_root, self.k.transpose(-2, -1) * self.k_root)
         if self.mask is not None:
             s.add_(self.mask)
         return torch._safe_softmax(s, -1)
@@ -126,8 +144,12 @@ def _acc(q: Tensor) -> torch.dtype:
     return torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
 
-def _root(q: Tensor, scale: Optional[float]) -> float:
-    return math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+def _roots(q: Tensor, scale: Optional[float]) -> tuple[float, float]:
+    """The factors of q and of k^T: ``sqrt(|scale|)`` each, q's negated for a negative scale (as
+    the math path scales them)."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    root = math.sqrt(abs(scale))
+    return (-root if scale < 0 else root), root
 
 
 # -- functional ops (what a graph pass places) ------------------------------------------------
@@ -135,11 +157,11 @@ def _root(q: Tensor, scale: Optional[float]) -> float:
 def attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], keep: Optional[Tensor],
                  dropout_p: float, scale: Optional[float] = None, slice_bytes: int = SLICE_BYTES) -> Tensor:
     _check(q, k, v, attn_mask, keep, dropout_p)
-    acc, root = _acc(q), _root(q, scale)
+    acc, roots = _acc(q), _roots(q, scale)
     drop = 1.0 / (1.0 - dropout_p)
     out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
     for b, h in _slices(q, k, slice_bytes):
-        s = _Slice(q, k, v, attn_mask, b, h, acc, root)
+        s = _Slice(q, k, v, attn_mask, b, h, acc, roots)
         p = s.probabilities()
         if keep is not None:
             p = p.mul(keep[b, h]).mul_(drop)  # native_dropout: input.mul(mask).mul_(scale)
@@ -159,11 +181,11 @@ def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, att
                           slice_bytes: int = SLICE_BYTES) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of q, k and v, each slice's probabilities recomputed."""
     _check(q, k, v, attn_mask, keep, dropout_p)
-    acc, root = _acc(q), _root(q, scale)
+    acc, roots = _acc(q), _roots(q, scale)
     drop = 1.0 / (1.0 - dropout_p)
     gq, gk, gv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for b, h in _slices(q, k, slice_bytes):
-        s = _Slice(q, k, v, attn_mask, b, h, acc, root)
+        s = _Slice(q, k, v, attn_mask, b, h, acc, roots)
         go = grad_out[b, h].to(acc)
         p = s.probabilities()
         pd = p.mul(keep[b, h]).mul_(drop) if keep is not None else p
@@ -174,8 +196,9 @@ def attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, att
             g.mul_(keep[b, h]).mul_(drop)  # native_dropout_backward: grad * mask * scale
         g = torch._softmax_backward_data(g, p, -1, acc)
         del p
-        gq[b, h] = torch.matmul(g, s.k * root) * root
-        gk[b, h] = (torch.matmul((s.q * root).transpose(-2, -1), g) * root).transpose(-2, -1)  # autograd's order
+        gq[b, h] = torch.matmul(g, s.k * s.k_root) * s.q_root
+        # autograd's order: (q^T g)^T, not g^T q
+        gk[b, h] = (torch.matmul((s.q * s.q_root).transpose(-2, -1), g) * s.k_root).transpose(-2, -1)
         del g, s
     return gq, gk, gv
 

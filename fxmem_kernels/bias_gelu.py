@@ -109,7 +109,9 @@ def bias_gelu_backward_op(grad_y: Tensor, x: Tensor, bias: Optional[Tensor],
     # aten's fused gelu_backward recomputes the derivative from the pre-activation, formed (and
     # cast to fp32) a block of rows at a time: no input-sized temporary beside the output.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    if not out.numel():
+        return out
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)  # a copy if x is not contiguous
     grads, outs = grad_y.reshape(rows.shape), out.view(rows.shape)
     step = backward_block_rows(rows.shape[-1])
     for i in range(0, rows.shape[0], step):

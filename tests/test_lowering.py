@@ -509,20 +509,32 @@ class Attend(nn.Module):
         self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
         self.bias = nn.Parameter(torch.zeros(1, 1, 1, 12)) if learned_mask else None
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if self.bias is None:
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.2)
+        elif self.bias is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[..., :s], dropout_p=0.2)
         return self.out(y.transpose(1, 2).reshape(b, s, d)).pow(2).mean()
 
 
+def _padding(b: int, s: int) -> torch.Tensor:
+    """HF's float mask: fp32's minimum where masked, here the last key and every key of query 0."""
+    mask = torch.zeros(b, 1, s, s)
+    mask[..., -1] = mask[:, :, 0, :] = torch.finfo(torch.float32).min
+    return mask
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_attention_with_dropout_under_autocast_and_changing_shapes(autocast):
-    """``is_causal`` and bf16 autocast (CPU autocast runs SDPA in bf16; the kernel then computes in
-    fp32 as the math path does), one dynamic compile over two shapes: eager's numbers."""
+def test_attention_with_dropout_under_autocast_and_changing_shapes(autocast, mask):
+    """``is_causal``, or a float mask with fully masked rows, and bf16 autocast (CPU autocast runs
+    SDPA in bf16, the mask cast too: fp32's minimum becomes -inf and a fully masked row gives
+    zeros; the kernel then computes in fp32 as the math path does), one dynamic compile over two
+    shapes: eager's numbers."""
     torch.manual_seed(0)
     model = Attend()
     ref_model, test_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -533,7 +545,7 @@ def test_attention_with_dropout_under_autocast_and_changing_shapes(autocast):
         for m in (ref_model, compiled):
             torch.manual_seed(b)
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                loss = m(x)
+                loss = m(x, _padding(b, s) if mask == "padding" else None)
             loss.backward()
             losses.append(loss.detach())
         assert torch.equal(losses[0], losses[1])

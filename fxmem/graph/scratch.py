@@ -133,6 +133,13 @@ def _embedding_backward_add(target, args, kwargs, out) -> sympy.Expr:
     return 16 * _numel(ids) + tensor_bytes(grad) * (2 if isinstance(pad, int) and pad >= 0 else 1)
 
 
+def _bool_mask(mask: Any) -> str:
+    """How ``fxmem_kernels.attention`` slices a bool mask ("": none or a float mask)."""
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool):
+        return ""
+    return "per_head" if mask.dim() >= 3 and mask.shape[-3] != 1 else "shared"
+
+
 def _attention(target, args, kwargs, out) -> sympy.Expr:
     """``fxmem_kernels.attention``'s slices (its own formula, measured by ``tests/test_scratch.py``)."""
     from fxmem_kernels.attention import scratch_bytes as attention_scratch
@@ -142,7 +149,7 @@ def _attention(target, args, kwargs, out) -> sympy.Expr:
     shape = (lambda t: [dim_expr(d) for d in t.shape])
     return sympy.sympify(attention_scratch(
         shape(q), shape(k), dim_expr(v.shape[-1]), low=q.dtype in (torch.float16, torch.bfloat16),
-        bool_mask=isinstance(mask, torch.Tensor) and mask.dtype == torch.bool,
+        bool_mask=_bool_mask(mask),
         backward=target._schema.name == "fxmem::attention_backward", slice_bytes=a["slice_bytes"]))
 
 
@@ -151,6 +158,13 @@ def _gelu_block(rows: sympy.Expr, d: sympy.Expr) -> sympy.Expr:
     from fxmem_kernels.bias_gelu import BACKWARD_BLOCK_ELEMENTS
 
     return sympy.Min(rows, sympy.Max(1, sympy.floor(BACKWARD_BLOCK_ELEMENTS / d))) * d
+
+
+def _strided_copies(a: dict, *names: str) -> sympy.Expr:
+    """Bytes of the contiguous copies a kernel makes of its non-contiguous (3-D and up) inputs."""
+    vals = [value_of(a[n]) for n in names]
+    return sum((tensor_bytes(v) for v in vals if isinstance(v, torch.Tensor) and v.dim() > 2
+                and not v.is_contiguous()), ZERO)
 
 
 def _has(a: dict, name: str) -> int:
@@ -162,7 +176,8 @@ def _has(a: dict, name: str) -> int:
 # norm's weight, per-row sums.
 _FXMEM_KERNELS = {
     "fxmem::bias_gelu": lambda n, d, rows, low, a: (6 * n + 4 * d * _has(a, "bias")) if low else 0,
-    "fxmem::bias_gelu_backward": lambda n, d, rows, low, a: (12 if low else 4 * _has(a, "bias")) * _gelu_block(rows, d),
+    "fxmem::bias_gelu_backward": lambda n, d, rows, low, a: ((12 if low else 4 * _has(a, "bias")) * _gelu_block(rows, d)
+                                                             + _strided_copies(a, "grad_y", "x")),
     "fxmem::layer_norm": lambda n, d, rows, low, a: 8 * d if low else 0,
     "fxmem::layer_norm_backward": lambda n, d, rows, low, a: 16 * d if low else 8 * d,
     "fxmem::rms_norm": lambda n, d, rows, low, a: 10 * n if low else 4 * n + 4 * d + 12,

@@ -256,7 +256,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], *, d
     """``F.scaled_dot_product_attention`` with dropout, in slices. The dropout mask is drawn here
     as torch's CPU dropout draws it (the same generator, the same numbers), then handed to the
     kernel; the planner sees it as the random op it is (replayed, never redrawn, if recomputed)."""
-    q, k, v = _cast(dtype, q, k, v)
+    q, k, v, attn_mask = _cast(dtype, q, k, v, attn_mask)  # autocast casts a float mask too (a bool one stays)
     if is_causal:  # the math path's mask: lower triangle kept
         attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     keep = K.attention_dropout_mask(q, k, dropout_p)

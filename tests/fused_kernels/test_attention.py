@@ -42,14 +42,22 @@ def test_equals_the_math_path_bit_for_bit(dtype, mask):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.3])
 @pytest.mark.parametrize("slice_bytes", [1, 3 * 24 * 30 * 4, 2 * MiB])
-def test_uneven_slices_cross_attention_and_a_given_scale(slice_bytes):
+def test_uneven_slices_cross_attention_and_a_given_scale(slice_bytes, scale):
     """Slices of 1 head, of 3 heads out of 5 (the last one short), and of all heads; keys of another
-    length and v of another width than q; an explicit scale."""
+    length and v of another width than q; an explicit scale, negative too (q's factor negated)."""
     q, k, v = _qkv((2, 5, 24, 8), 30, 6, torch.float32)
-    ref, got = _both(q, k, v, torch.rand(24, 30) > 0.3, 0.25, scale=0.3, slice_bytes=slice_bytes)
+    ref, got = _both(q, k, v, torch.rand(24, 30) > 0.3, 0.25, scale=scale, slice_bytes=slice_bytes)
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_no_keys_gives_what_the_math_path_gives():
+    q, k, v = _qkv((1, 2, 3, 4), 0, 4, torch.float32)
+    ref, got = _both(q, k, v, None, 0.1)
+    for a, b in zip(ref, got):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 def test_without_dropout_it_is_attention_within_rounding():
