@@ -754,7 +754,8 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
          "step (`bench/studies/loss_floor.py`). G: every parameter gradient (312.5 MiB at 6 layers); one logits "
          "buffer: 1024 x 50257 x 4 B = 196.3 MiB; target: at most 0.25 of it above G. Phase: where the peak is "
          "(forward: the returned logits and the fused loss's weight gradient; backward: a layer's recompute and "
-         "gradients, the attention's [2, 12, 512, 512] probabilities where dropout sends it to the math path).",
+         "gradients: the MLP's, and the attention's in slices where dropout sends SDPA to its math path on CPU, "
+         "fxmem's `attention_dropout` lowering).",
          tables=(Table("main", (
              Column("layers", "layers", "d"), Column("inner", "inner", number=False),
              Column("dropout", "dropout", ".1f"), Column("peak MiB", "peak", "mib"), Column("G MiB", "grads", "mib"),
