@@ -235,8 +235,25 @@ class _Attention(torch.autograd.Function):
         return gq, gk, gv, None, None, None, None, None
 
 
+@torch.library.custom_op("fxmem::attention_dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_mask_op(q: Tensor, k: Tensor, dropout_p: float) -> Tensor:
+    """The mask torch's CPU dropout draws for the scores of ``q`` and ``k`` (True: kept), from the
+    default generator. One op, so that a graph can draw it otherwise: fxmem's Inductor path
+    decomposes it into ``rand >= p`` (Inductor's seeded random numbers, as it decomposes dropout),
+    unless ``fallback_random``."""
+    shape = (*q.shape[:3], k.shape[2])
+    return torch.empty(shape, dtype=torch.bool, device=q.device).bernoulli_(1.0 - dropout_p)
+
+
+@dropout_mask_op.register_fake
+def _(q, k, dropout_p):
+    return q.new_empty((*q.shape[:3], k.shape[2]), dtype=torch.bool)
+
+
 def dropout_mask(q: Tensor, k: Tensor, dropout_p: float, generator: Optional[torch.Generator] = None) -> Tensor:
     """The mask torch's CPU dropout would draw for the scores of ``q`` and ``k`` (True: kept)."""
+    if generator is None:
+        return dropout_mask_op(q, k, float(dropout_p))
     shape = (*q.shape[:3], k.shape[2])
     return torch.empty(shape, dtype=torch.bool, device=q.device).bernoulli_(1.0 - dropout_p, generator=generator)
 

@@ -251,11 +251,31 @@ def dropout(x: Tensor, *, p: float) -> Tensor:
     return K.seeded_dropout(x, p, impl=_IMPL)
 
 
+def _seeded_keep_mask(q: Tensor, k: Tensor, dropout_p: float) -> Tensor:
+    """``fxmem::attention_dropout_mask`` under Inductor: ``rand >= p``, which Inductor draws from its
+    seeds as it draws dropout's (``native_dropout`` decomposes to ``rand_like > p``); aten's CPU
+    ``bernoulli`` would draw from the generator wherever Inductor schedules it."""
+    return torch.rand((*q.shape[:3], k.shape[2]), dtype=torch.float32, device=q.device) >= dropout_p
+
+
+def _register_inductor_decomposition() -> None:
+    """Inductor's random decompositions (used unless ``fallback_random``) take the seeded mask."""
+    from torch._decomp.decompositions_for_rng import extra_random_decomps
+    from torch._inductor.decomposition import fast_random_decomps
+
+    extra_random_decomps[torch.ops.fxmem.attention_dropout_mask.default] = _seeded_keep_mask
+    fast_random_decomps.cache_clear()
+
+
+_register_inductor_decomposition()
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], *, dropout_p: float,
               scale: Optional[float], is_causal: bool, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``F.scaled_dot_product_attention`` with dropout, in slices. The dropout mask is drawn here
-    as torch's CPU dropout draws it (the same generator, the same numbers), then handed to the
-    kernel; the planner sees it as the random op it is (replayed, never redrawn, if recomputed)."""
+    as torch's CPU dropout draws it (the same generator, the same numbers; under Inductor from its
+    seeds, as it draws dropout), then handed to the kernel; the planner sees it as the random op
+    it is (replayed, never redrawn, if recomputed)."""
     q, k, v, attn_mask = _cast(dtype, q, k, v, attn_mask)  # autocast casts a float mask too (a bool one stays)
     if is_causal:  # the math path's mask: lower triangle kept
         attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()

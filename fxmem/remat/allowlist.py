@@ -49,7 +49,10 @@ _REDUCTIONS_AND_NORMS = {
 }
 # fxmem_kernels' fused forward ops (pattern lowering puts them in the graph): norms and
 # activations, and the dropout whose mask a saved seed regenerates exactly.
-_FUSED_CHEAP = {"fxmem::layer_norm", "fxmem::rms_norm", "fxmem::bias_gelu", "fxmem::glu", "fxmem::seeded_dropout"}
+_FUSED_CHEAP = {"fxmem::layer_norm", "fxmem::rms_norm", "fxmem::bias_gelu", "fxmem::glu", "fxmem::seeded_dropout",
+                "fxmem::attention_dropout_mask"}  # the last: a random op, cheap when replayed
+# ... and the fused attention, recomputable at a matmul's cost like the attention kernels below.
+_FUSED_HEAVY = {"fxmem::attention"}
 # Random ops, cheap when their generator is replayed: Inductor's take their seed as an input;
 # aten's run under ``run_with_rng_state`` (their attention and matmul forms are HEAVY as usual).
 _RANDOM = {
@@ -87,6 +90,8 @@ def _kind(target) -> str:
         return CHEAP
     if getattr(packet, "_qualified_op_name", None) in _FUSED_CHEAP:
         return CHEAP
+    if getattr(packet, "_qualified_op_name", None) in _FUSED_HEAVY:
+        return HEAVY
     if torch.Tag.pointwise in getattr(target, "tags", ()):
         return CHEAP
     if packet in _HEAVY:
