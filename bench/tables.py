@@ -605,6 +605,8 @@ ZOO = Spec("zoo", ("model",), tables_fn=_zoo_tables, notes=_zoo_notes,
                "eager's (loss or a gradient) or fell back. Peaks measured on the third step. min-cut: torch's "
                "`min_cut_rematerialization_partition` with nop compilers; HF ckpt: the eager step with Hugging "
                "Face's gradient checkpointing (`-`: the model does not support it)."))
+
+
 def _parity_tolerance(r: dict) -> float:
     """release-parity's bar: 1e-5 in fp32; under autocast 2 x the StepLR(2, 0.5) learning rates' sum."""
     if r["autocast"] == "off":
