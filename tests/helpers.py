@@ -1,8 +1,10 @@
 """Shared test helpers: compare a compiled training step with eager."""
 
+import contextlib
 import copy
 import importlib.util
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -55,3 +57,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int, world: int):
+    """A spawned rank's gloo process group on localhost (one thread), destroyed on exit."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=45))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -6,14 +6,13 @@ draw on both ranks, so their parameters stay equal after ``step()``; epsilon is 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port
+from helpers import free_port, gloo_group
 from test_dpsgd_private import EAGER, C, _data, _model, clipped_mean_f64
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,10 +27,7 @@ WORLD = 2
 def _rank(rank: int, port: int, outdir: str) -> None:
     from fxmem.dpsgd import make_private
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=45))
-    try:
+    with gloo_group(rank, port, WORLD):
         model = _model()
         x, y = _data()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -49,8 +45,6 @@ def _rank(rank: int, port: int, outdir: str) -> None:
                     "params": {k: p.detach().clone() for k, p in model.named_parameters()},
                     "epsilon": popt.epsilon(1e-5), "shard": len(pl.dataset)},
                    os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_make_private_on_two_gloo_ranks(tmp_path):

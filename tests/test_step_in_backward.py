@@ -15,7 +15,6 @@ import copy
 import gc
 import os
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import free_port
+from helpers import free_port, gloo_group
 
 import fxmem
 from fxmem.options import OptionError
@@ -387,10 +386,7 @@ WORLD = 2
 
 
 def _rank(rank: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=45))
-    try:
+    with gloo_group(rank, port, WORLD):
         m = nn.parallel.DistributedDataParallel(Net())
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         c = torch.compile(m, backend="fxmem", options={**EAGER, "step_in_backward": opt})
@@ -402,8 +398,6 @@ def _rank(rank: int, port: int, outdir: str) -> None:
         with open(os.path.join(outdir, f"{rank}.txt"), "w") as f:
             f.write(message)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed
