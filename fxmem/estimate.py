@@ -62,7 +62,9 @@ def step_inputs(model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype
                          "(vision)")
     ids = torch.randint(0, getattr(cfg, "vocab_size", 2), (batch, seq), device=device)
     classifier = type(model).__name__.endswith("ForSequenceClassification")
-    return {"input_ids": ids, "labels": labels if classifier else ids}
+    # token labels are a tensor of their own, as a data loader gives them (one tensor passed as
+    # both would be one graph input, named after whichever the model reads first)
+    return {"input_ids": ids, "labels": labels if classifier else ids.clone()}
 
 
 def plan_device(model: torch.nn.Module) -> str:
@@ -208,7 +210,7 @@ def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: 
         stepper = _in_backward_optimizer(in_backward)
         options["step_in_backward"] = stepper
         spec = replace(spec, build=_stepped(spec.build, stepper))
-    plan_batch = max(batch, 2)  # Dynamo specializes a batch of 1: no batch symbol to scale with
+    plan_batch = _plan_batch(batch, seq, spec)
     deep = spec.layers is not None and spec.layers > 2 * PROBES[1]  # else one compile costs less than two
     device = plan_device(spec.build(PROBES[1] if deep else None, "meta"))
     where = "" if device == "meta" else " on CPU (dropout)"
@@ -223,6 +225,18 @@ def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: 
     log(f"level {level}: planning the whole model{where}")
     model = spec.build(None, device)
     return fxmem.explain(model, options, **step_inputs(model, plan_batch, seq, dtype, device))
+
+
+def _plan_batch(batch: int, seq: int, spec: Spec) -> int:
+    """The batch to plan at: ``batch``, but at least 2 (Dynamo specializes a batch of 1: no batch
+    symbol to scale with) and unlike every other input dimension (Dynamo gives equal sizes one
+    symbol: a batch equal to the sequence length would scale both)."""
+    sample = step_inputs(spec.build(1 if spec.layers else None, "meta"), 2, seq, torch.float32)
+    others = {d for t in sample.values() for d in t.shape[1:]}
+    planned = max(batch, 2)
+    while planned in others:
+        planned += 1
+    return planned
 
 
 def _in_backward_optimizer(name: str) -> torch.optim.Optimizer:
@@ -274,7 +288,7 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
     for level in levels:
         started = time.monotonic()
         with warnings.catch_warnings():  # the meta device's loss has no autograd kernel: torch warns, harmlessly
-            warnings.filterwarnings("ignore", message="aten::nll_loss: an autograd kernel was not registered")
+            warnings.filterwarnings("ignore", message=r"aten::\w+: an autograd kernel was not registered")
             rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
         out["reports"][str(level)] = rep
         out["peak_bytes"][str(level)] = rep.predict_peak(**shapes)

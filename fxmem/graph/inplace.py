@@ -41,6 +41,8 @@ def _embedding_backward_into(other, grad, indices, padding_idx):
     kernel, over the indices renumbered to those rows, into a [rows touched, dim] buffer (in the
     same order: the same sums), then added to ``other``'s rows. Bit for bit the out-of-place sum
     on CPU (a row nobody touched gets ``+ 0.0``: a -0.0 entry becomes 0.0; tests/test_loss_floor.py)."""
+    if other.device.type == "meta":  # no values to sum (torch.unique has no meta kernel): the shape is the result
+        return other
     flat = indices.reshape(-1)
     rows, renumbered = torch.unique(flat, return_inverse=True)
     grad = grad.reshape(flat.numel(), other.shape[1])

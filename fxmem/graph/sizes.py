@@ -165,6 +165,9 @@ class SymbolicSizes:
     """Byte formulas of a graph's nodes and the values of their symbols at the plan shape."""
 
     names: dict[sympy.Symbol, str] = field(default_factory=dict)  # symbol -> readable name
+    # symbol -> the other input dimensions it stands for: Dynamo gives equal sizes one symbol
+    # (duck sizing), so ``labels.size(1)`` may be ``input_ids.size(1)``'s symbol
+    aliases: dict[sympy.Symbol, list[str]] = field(default_factory=dict)
     values: dict[sympy.Symbol, int] = field(default_factory=dict)  # symbol -> value at plan shape
     _cache: dict[fx.Node, sympy.Expr] = field(default_factory=dict, repr=False)
 
@@ -177,6 +180,9 @@ class SymbolicSizes:
         for sym, sources in env.var_to_sources.items():
             if sources and sym.name.startswith("s"):  # sizes; skip float/unbacked symbols
                 sizes.names[sym] = readable(sources[0].name)
+                others = list(dict.fromkeys(readable(src.name) for src in sources[1:]))
+                if others := [n for n in others if n != sizes.names[sym]]:
+                    sizes.aliases[sym] = others
         for sym, val in env.backed_var_to_val.items():
             if sym in sizes.names:
                 sizes.values[sym] = int(val)
@@ -194,9 +200,10 @@ class SymbolicSizes:
                 out[by_name[key]] = dims[0]
                 continue
             for sym, name in self.names.items():
-                m = re.fullmatch(rf"{re.escape(key)}\.size\((\d+)\)", name)
-                if m and int(m.group(1)) < len(dims):
-                    out[sym] = dims[int(m.group(1))]
+                for n in (name, *self.aliases.get(sym, ())):
+                    m = re.fullmatch(rf"{re.escape(key)}\.size\((\d+)\)", n)
+                    if m and int(m.group(1)) < len(dims):
+                        out[sym] = dims[int(m.group(1))]
         return out
 
     def nbytes(self, node: fx.Node) -> sympy.Expr:

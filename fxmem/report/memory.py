@@ -33,7 +33,7 @@ SCHEMA_VERSION = 1
 def _values_where_named(g: GraphReport, shapes: Mapping[str, Any]) -> dict[str, int]:
     """``g.values_at`` for the shapes naming ``g``'s inputs (one graph of a step need not take
     every input of the step)."""
-    names = {n.split(".size(")[0] for n in [*g.symbols.values(), *g.static_dims]} | set(g.symbols)
+    names = g.inputs() | set(g.symbols)
     return g.values_at(**{k: v for k, v in shapes.items() if k in names})
 
 

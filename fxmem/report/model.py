@@ -62,7 +62,7 @@ def batch_peak(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], int]
 
 def batch_values(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], dict[str, int]]:
     """``g``'s symbol values as a function of the batch (dimension 0 of every input)."""
-    batch_syms = {s for s, n in g.symbols.items() if n.endswith(".size(0)")}
+    batch_syms = {s for s in g.symbols if any(n.endswith(".size(0)") for n in g.dims(s))}
     if not batch_syms:
         fixed0 = sorted(f"{n}={v}" for n, v in g.static_dims.items() if n.endswith(".size(0)"))
         why = (f" (specialized when compiled: {', '.join(fixed0)}; Dynamo specializes sizes 0 and 1)"
@@ -73,7 +73,7 @@ def batch_values(g: "GraphReport", shapes: dict[str, Any]) -> Callable[[int], di
     seq = shapes.pop("seq", None)
     fixed = g.values_at(**shapes)
     if seq is not None:
-        fixed.update({s: seq for s, n in g.symbols.items() if n.endswith(".size(1)")})
+        fixed.update({s: seq for s in g.symbols if any(n.endswith(".size(1)") for n in g.dims(s))})
     return lambda b: {**fixed, **{s: b for s in batch_syms}}
 
 
@@ -127,6 +127,18 @@ class GraphReport:
     # ``step_in_backward``: the parameters whose optimizer step this graph's backward runs, in
     # the order it runs them (the others are updated when the backward ends)
     in_backward: list[str] = field(default_factory=list)
+    # raw symbol -> the other input dimensions it stands for (Dynamo gives equal sizes one
+    # symbol: ``labels.size(1)`` may be ``input_ids.size(1)``'s); shapes may name any of them
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+
+    def dims(self, sym: str) -> list[str]:
+        """Every input dimension the raw symbol ``sym`` stands for, its readable name first."""
+        return [self.symbols[sym], *self.aliases.get(sym, [])]
+
+    def inputs(self) -> set[str]:
+        """The names of the inputs with a dimension in this graph's formulas or specialized."""
+        return {n.split(".size(")[0] for s in self.symbols for n in self.dims(s)} | \
+            {n.split(".size(")[0] for n in self.static_dims}
 
     def with_names(self, positional: list[str]) -> "GraphReport":
         """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
@@ -135,9 +147,11 @@ class GraphReport:
             return _ARGS.sub(lambda m: positional[int(m.group(1))] if int(m.group(1)) < len(positional)
                              else m.group(0), text)
 
-        if not positional or not any(_ARGS.search(n) for n in [*self.symbols.values(), *self.static_dims]):
+        every = [*self.symbols.values(), *self.static_dims, *(n for a in self.aliases.values() for n in a)]
+        if not positional or not any(_ARGS.search(n) for n in every):
             return self
         return replace(self, symbols={s: name(n) for s, n in self.symbols.items()},
+                       aliases={s: [name(n) for n in a] for s, a in self.aliases.items()},
                        saved_formula=name(self.saved_formula),
                        clusters=[replace(c, saving_formula=name(c.saving_formula)) for c in self.clusters],
                        static_dims={name(k): v for k, v in self.static_dims.items()})
@@ -148,11 +162,13 @@ class GraphReport:
         for key, dims in shapes.items():
             dims = (dims,) if isinstance(dims, int) else tuple(dims)
             hit = False
-            for sym, name in self.symbols.items():
+            for sym in self.symbols:
                 if sym == key and len(dims) == 1:
                     values[sym], hit = dims[0], True
-                elif name.startswith(f"{key}.size(") and int(name[len(key) + 6:-1]) < len(dims):
-                    values[sym], hit = dims[int(name[len(key) + 6:-1])], True
+                    continue
+                for name in self.dims(sym):
+                    if name.startswith(f"{key}.size(") and int(name[len(key) + 6:-1]) < len(dims):
+                        values[sym], hit = dims[int(name[len(key) + 6:-1])], True
             for i, d in enumerate(dims):
                 fixed = self.static_dims.get(f"{key}.size({i})")
                 if fixed is not None and d != fixed:
@@ -163,7 +179,7 @@ class GraphReport:
                         f"the dimension with torch._dynamo.mark_dynamic")
                 hit = hit or fixed is not None
             if not hit:
-                known = sorted({n.split(".size")[0] for n in self.symbols.values()} | set(self.symbols))
+                known = sorted({n.split(".size")[0] for s in self.symbols for n in self.dims(s)} | set(self.symbols))
                 raise ValueError(f"predict_peak: {key!r} names no dynamic input dimension of graph {self.index}; "
                                  f"allowed: {', '.join(known) or 'none (compiled with static shapes)'}")
         return values
@@ -248,6 +264,7 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
     return GraphReport(
         index=index, level=plan.level, options=options_key,
         symbols={s.name: n for s, n in sizes.names.items()},
+        aliases={s.name: list(a) for s, a in sizes.aliases.items() if s in sizes.names},
         values={s.name: v for s, v in sizes.values.items() if s in sizes.names},
         saved_bytes=plan.saved_bytes, saved_formula=sizes.pretty(plan.saved_bytes_expr),
         saved_expr=str(plan.saved_bytes_expr),

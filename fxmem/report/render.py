@@ -111,7 +111,7 @@ def table(g: GraphReport) -> str:
         lines += lowering_lines(g.lowerings, g.lowering_notes)
     if g.symbols:
         by_name = sorted(g.symbols.items(), key=lambda kv: kv[1])
-        legend = "; ".join(f"{name} = {g.values.get(sym, '?')}" for sym, name in by_name)
+        legend = "; ".join(" = ".join([*g.dims(sym), str(g.values.get(sym, "?"))]) for sym, _ in by_name)
         lines.append(f"symbols (at the compiled shape): {legend}")
     return "\n".join(lines)
 

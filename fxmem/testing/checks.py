@@ -116,7 +116,7 @@ def assert_same_training_step(model: torch.nn.Module, inputs: Mapping[str, Any],
     for r in records:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            named = {n.split(".size")[0] for n in r.report.symbols.values()}
+            named = r.report.inputs()
             check.planned_saved_bytes.append(
                 r.report.evaluate(r.report.saved_expr, **{k: v for k, v in shapes.items() if k in named})
                 if dynamic else r.plan.saved_bytes)
