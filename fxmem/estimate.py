@@ -12,6 +12,7 @@ alive across steps) and the largest batch whose step fits the device beside them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -19,9 +20,10 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from .options import parse_bytes
 from .report.render import human
@@ -239,6 +241,56 @@ def _plan_batch(batch: int, seq: int, spec: Spec) -> int:
     return planned
 
 
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` on the meta device as on a real one. Torch picks its
+    fused kernel by the device's type and the meta device has none, so a plan on meta would get
+    the math path: the [batch, heads, length, length] scores and probabilities saved for the
+    backward, which no real device keeps. Inside this context a call on meta tensors that the CPU
+    would run fused runs the CPU's flash kernel (its meta kernel: the output and the row
+    log-sum-exp, kept for the backward, as the CUDA flash and efficient kernels keep them); any
+    other call is torch's own."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type == "meta" and cpu_runs_flash(query, key, value, attn_mask, dropout_p, enable_gqa):
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch does: an additive mask
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def cpu_runs_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                   dropout_p: float, enable_gqa: bool) -> bool:
+    """Whether torch 2.13's CPU runs ``F.scaled_dot_product_attention`` of these arguments with
+    its flash kernel (``torch._fused_sdp_choice`` on CPU; tests/test_estimate.py checks the two
+    agree over a grid): [batch, heads, length, dim] inputs of one float dtype, one head size, no
+    dropout, as many query heads as key heads (or a multiple, with ``enable_gqa``), a 2-d or 4-d
+    mask, bool or of the inputs' dtype (a True answer always agrees with torch's). Plain Python
+    over shapes and dtypes, so that Dynamo traces it."""
+    if any(t.dim() != 4 for t in (query, key, value)) or query.dtype not in _FLASH_DTYPES:
+        return False
+    if key.dtype != query.dtype or value.dtype != query.dtype or dropout_p != 0:
+        return False
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or key.shape[1] != value.shape[1]:
+        return False
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
+        return False
+    return attn_mask is None or (attn_mask.dtype in (torch.bool, query.dtype) and attn_mask.dim() in (2, 4))
+
+
 def _in_backward_optimizer(name: str) -> torch.optim.Optimizer:
     """An optimizer of kind ``name`` to which each model planned adds its parameters (its step
     never runs: the plan only counts where the gradients die and the step's temporaries)."""
@@ -289,7 +341,8 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
         started = time.monotonic()
         with warnings.catch_warnings():  # the meta device's loss has no autograd kernel: torch warns, harmlessly
             warnings.filterwarnings("ignore", message=r"aten::\w+: an autograd kernel was not registered")
-            rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
+            with fused_attention_on_meta():
+                rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
         out["reports"][str(level)] = rep
         out["peak_bytes"][str(level)] = rep.predict_peak(**shapes)
         out["resident_bytes"] = rep.resident_bytes(opt)

@@ -166,3 +166,25 @@ def mark_mutated_reads(joint: JointGraph) -> None:
         if n.op == "call_function" and n not in joint.backward and not is_mutation(n) and any(
                 root.get(a) in joint.mutated for a in n.all_input_nodes):
             n.meta[READS_MUTATED] = True
+
+
+_SIZE_READS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+               torch.ops.aten.sym_storage_offset.default)
+
+
+def hoist_size_reads(gm: fx.GraphModule) -> int:
+    """Move each read of a tensor's size (``aten.sym_size.int`` and kin: shapes, never data) to
+    just after the tensor is made. With dynamic shapes make_fx records a size where the code
+    asked for it (e.g. the loss's ``logits.view(-1, vocab)``, after the logits' bias was added):
+    there it holds the tensor's storage alive, and the eager inner compiler can neither free it
+    nor write the bias add into it. Read early, the size is the same. Returns how many moved."""
+    moved = 0
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _SIZE_READS and isinstance(n.args[0], fx.Node):
+            x = n.args[0]
+            if x.next is not n and all(a is x or not isinstance(a, fx.Node) for a in n.args):
+                x.append(n)
+                moved += 1
+    if moved:
+        gm.recompile()
+    return moved

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..fallback import stage_failed
-from ..graph.joint import JointGraph
+from ..graph.joint import JointGraph, hoist_size_reads
 from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
@@ -65,11 +65,13 @@ class PlannedGraph:
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings) -> JointGraph:
-    """Stage: the joint graph, a tied embedding's gradient summed into its other use's (``tied``
+    """Stage: the joint graph, its size reads made early (``hoist_size_reads``), a tied
+    embedding's gradient summed into its other use's (``tied``
     for eager's kernel; for Inductor's decomposition, scattered into it: ``fences.scatter_into_sums``,
     which the simulator then counts in place), its random ops made replayable (and, at level 2,
     dropout masks packed)."""
     accumulate_tied_embeddings(gm)
+    hoist_size_reads(gm)
     if settings.target.inplace_scatters:
         scatter_into_sums(gm)
     joint = JointGraph.of(gm, num_fwd_outputs)
