@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -268,6 +269,46 @@ def fused_attention_on_meta() -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
+@contextlib.contextmanager
+def composite_autograd_on_meta() -> Iterator[None]:
+    """Gradients through torch's composite ops on the meta device under tracing. About a hundred
+    aten ops (``nll_loss``, ``where.ScalarOther``, ``var``, ``dropout``, ...) have a Python meta
+    kernel beside their composite definition; tracing enables torch's Python dispatcher, which
+    then finds a meta kernel and no autograd one, and backpropagates nothing through them
+    (torch warns "an autograd kernel was not registered"): a plan on meta would miss the loss's
+    and the masks' backward. Inside this context those Python meta kernels are set aside, so
+    the composite definition runs (its ops have meta kernels and derivatives)."""
+    from torch._C import DispatchKey
+
+    ops = _meta_over_composite()
+    kernels = {op: op.py_kernels.pop(DispatchKey.Meta) for op in ops if DispatchKey.Meta in op.py_kernels}
+    for op in kernels:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in kernels.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+@functools.cache
+def _meta_over_composite() -> tuple:
+    """The aten overloads with a Python meta kernel and a composite (implicit autograd) one."""
+    import torch._meta_registrations  # noqa: F401 - registers them
+    from torch._C import DispatchKey
+
+    found = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in getattr(packet, "overloads", lambda: [])():
+            op = getattr(packet, overload)
+            if DispatchKey.Meta in op.py_kernels and torch._C._dispatch_has_kernel_for_dispatch_key(
+                    op.name(), "CompositeImplicitAutograd"):
+                found.append(op)
+    return tuple(found)
+
+
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -277,7 +318,8 @@ def cpu_runs_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     its flash kernel (``torch._fused_sdp_choice`` on CPU; tests/test_estimate.py checks the two
     agree over a grid): [batch, heads, length, dim] inputs of one float dtype, one head size, no
     dropout, as many query heads as key heads (or a multiple, with ``enable_gqa``), a 2-d or 4-d
-    mask, bool or of the inputs' dtype (a True answer always agrees with torch's). Plain Python
+    mask, bool or of the inputs' dtype, without a gradient (T5's position bias has one: math path;
+    a True answer always agrees with torch's). Plain Python
     over shapes and dtypes, so that Dynamo traces it."""
     if any(t.dim() != 4 for t in (query, key, value)) or query.dtype not in _FLASH_DTYPES:
         return False
@@ -288,7 +330,8 @@ def cpu_runs_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
         return False
-    return attn_mask is None or (attn_mask.dtype in (torch.bool, query.dtype) and attn_mask.dim() in (2, 4))
+    return attn_mask is None or (attn_mask.dtype in (torch.bool, query.dtype) and attn_mask.dim() in (2, 4)
+                                 and not attn_mask.requires_grad)
 
 
 def _in_backward_optimizer(name: str) -> torch.optim.Optimizer:
@@ -341,7 +384,7 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
         started = time.monotonic()
         with warnings.catch_warnings():  # the meta device's loss has no autograd kernel: torch warns, harmlessly
             warnings.filterwarnings("ignore", message=r"aten::\w+: an autograd kernel was not registered")
-            with fused_attention_on_meta():
+            with fused_attention_on_meta(), composite_autograd_on_meta():
                 rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
         out["reports"][str(level)] = rep
         out["peak_bytes"][str(level)] = rep.predict_peak(**shapes)

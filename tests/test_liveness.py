@@ -67,3 +67,39 @@ def test_kept_views_hold_their_storage_once():
     exp_k = body[1]
     assert exp_k.args[0] is k and events.index(("free", q.name, 2048)) == events.index(("alloc", exp_k.name, 256)) + 1
     assert q.name in frees
+
+
+def test_size_reads_are_hoisted_so_a_dead_buffer_takes_the_write():
+    """A size read after a tensor's last data read (make_fx records it where the code asked,
+    e.g. BART's ``logits.view(-1, vocab)`` after ``logits + bias``) kept ``y`` alive past
+    ``y + b``; hoisted next to ``y`` it reads the same size, and the add may write into ``y``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxmem.graph.joint import hoist_size_reads
+    from fxmem.graph.liveness import last_reads, storage_roots
+    from fxmem.graph.reuse import dead_writes
+
+    def f(x, w, b):
+        y = x @ w
+        z = y + b
+        return z.reshape(y.shape[0] * y.shape[1])
+
+    x, w, b = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
+    gm = make_fx(f, tracing_mode="symbolic")(x, w, b)
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    read = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sym_size.int and n.args[1] == 0)
+    read.args = (mm, 0)  # y.size(0), read after y + b (as x.size(0): the same size)
+    gm.recompile()
+
+    def writes(gm):
+        nodes = list(gm.graph.nodes)
+        root = storage_roots(gm)
+        return dead_writes(nodes, root, last_reads(gm, root), {n: i for i, n in enumerate(nodes)}, set(nodes))
+
+    assert not writes(gm)
+    assert hoist_size_reads(gm) >= 1
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.aten.sym_size.int:
+            assert n.prev is n.args[0] or n.prev.target is torch.ops.aten.sym_size.int, n
+    assert [n.target for n in writes(gm)] == [torch.ops.aten.add.Tensor]
+    torch.testing.assert_close(gm(x, w, b), f(x, w, b))
