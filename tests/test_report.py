@@ -48,7 +48,7 @@ def test_table_lists_clusters_totals_and_symbols(compiled_llama):
     text = str(rep)
     assert "fxmem memory plan: graph" in text and "level 1" in text
     assert "saved activations:" in text and "predicted step peak:" in text and "recompute cost:" in text
-    assert "input_ids.size(0) = 2; input_ids.size(1) = 32" in text
+    assert "input_ids.size(0) = labels.size(0) = 2; input_ids.size(1) = labels.size(1) = 32" in text  # one symbol each
     assert "*input_ids.size(0)*input_ids.size(1)" in text
 
 
