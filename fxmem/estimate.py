@@ -44,6 +44,7 @@ class Spec:
     build: Callable[[int | None, str], torch.nn.Module]  # (depth or None: as configured, device) -> model
     layers: int | None  # the configured depth, None when it cannot be changed (a module:function)
     name: str
+    positions: int | None = None  # the longest sequence the model takes (the config's max_position_embeddings)
 
 
 def step_inputs(model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
@@ -153,7 +154,10 @@ def hf_spec(path: str, dtype: torch.dtype) -> Spec:
             model.loss_type = getattr(cfg, "loss_type", None) or _loss_type(cls)
         return model.train()
 
-    return Spec(build, getattr(config, attr) if attr else None, f"{cls.__name__} ({os.path.basename(file)})")
+    positions = next((v for k in ("max_position_embeddings", "n_positions")
+                      if isinstance(v := getattr(config, k, None), int) and v > 0), None)
+    return Spec(build, getattr(config, attr) if attr else None, f"{cls.__name__} ({os.path.basename(file)})",
+                positions)
 
 
 def _complaint(e: BaseException) -> str:
@@ -218,13 +222,19 @@ def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: 
     device = plan_device(spec.build(PROBES[1] if deep else None, "meta"))
     where = "" if device == "meta" else " on CPU (dropout)"
     if deep:
-        log(f"level {level}: planning {PROBES[0]} and {PROBES[1]} of {spec.layers} layers{where}, extrapolating")
+        a, b = PROBES
+        log(f"level {level}: planning {a} and {b} of {spec.layers} layers{where}, extrapolating; {a} layers first")
 
         def build(k: int) -> torch.nn.Module:
             return spec.build(k, device)
 
-        batch_ = step_inputs(spec.build(PROBES[0], "meta"), plan_batch, seq, dtype, device)
-        return fxmem.explain_layers(build, spec.layers, options, PROBES, **batch_)
+        def progress(depth: int, seconds: float) -> None:
+            if depth == a:  # a compile's time grows with the layers traced: b / a of this one next
+                log(f"level {level}: {a} layers planned in {seconds:.0f} s; {b} layers next, about "
+                    f"{seconds * b / a:.0f} s")
+
+        batch_ = step_inputs(spec.build(a, "meta"), plan_batch, seq, dtype, device)
+        return fxmem.explain_layers(build, spec.layers, options, PROBES, progress, **batch_)
     log(f"level {level}: planning the whole model{where}")
     model = spec.build(None, device)
     return fxmem.explain(model, options, **step_inputs(model, plan_batch, seq, dtype, device))
@@ -359,11 +369,25 @@ def _shapes(inputs: dict[str, torch.Tensor], batch: int) -> dict[str, tuple]:
     return {name: (batch, *inputs[name].shape[1:])}
 
 
-def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int | None = None,
+def describe(shapes: dict[str, tuple]) -> str:
+    """The step's input as a person reads it: ``sequence 512`` or ``images 3x224x224``."""
+    (name, dims), = shapes.items()
+    if name == "input_ids":
+        return f"sequence {dims[1]}"
+    return f"images {'x'.join(map(str, dims[1:]))} (the config's image_size and num_channels)"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str | int | None = None,
              optimizer: str = "adamw", dtype: str = "fp32", log: Callable[[str], None] = lambda s: None,
              step_in_backward: bool = False) -> dict:
-    """Predicted step peak, resident bytes and largest fitting batch per level (see the module
-    docstring); the dict ``--json`` prints, plus ``"reports"`` (level -> report) for plotting."""
+    """Predicted step peak, resident bytes and, given ``device``, the largest fitting batch at
+    ``seq``, what stops the next batch (:func:`limit`) and the largest sequence at ``batch``
+    (text models) per level (see the module docstring); the dict ``--json`` prints, plus
+    ``"reports"`` (level -> report) for plotting."""
     if dtype not in DTYPES:
         raise ValueError(f"estimate: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if optimizer not in OPTIMIZERS:
@@ -376,38 +400,95 @@ def estimate(source: str, batch: int, seq: int, levels=LEVELS, device: str | int
     torch_dtype, opt = DTYPES[dtype], OPTIMIZERS[optimizer]
     spec = spec_for(source, torch_dtype)
     sample = step_inputs(spec.build(1 if spec.layers else None, "meta"), 2, seq, torch_dtype)  # a bad config fails here
-    log(f"{spec.name}: batch {batch}, seq {seq}, {dtype}, optimizer {optimizer}")
-    out: dict[str, Any] = {"peak_bytes": {}, "resident_bytes": None, "max_batch": {}, "reports": {}}
     shapes = _shapes(sample, batch)
-    text = "pixel_values" not in sample
-    for level in levels:
+    text = "input_ids" in shapes
+    log(f"{spec.name}: batch {batch}, {describe(shapes)}, {dtype}, optimizer {optimizer}; "
+        f"{len(levels)} level{'s' if len(levels) > 1 else ''} to plan ({', '.join(map(str, levels))})")
+    out: dict[str, Any] = {"peak_bytes": {}, "resident_bytes": None, "max_batch": {}, "limit": {}, "max_seq": {},
+                           "reports": {}}
+    took: list[float] = []
+    for i, level in enumerate(levels):
         started = time.monotonic()
-        with warnings.catch_warnings():  # the meta device's loss has no autograd kernel: torch warns, harmlessly
+        with warnings.catch_warnings():  # kept as a safety net: composite_autograd_on_meta removes the cause
             warnings.filterwarnings("ignore", message=r"aten::\w+: an autograd kernel was not registered")
             with fused_attention_on_meta(), composite_autograd_on_meta():
                 rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
-        out["reports"][str(level)] = rep
-        out["peak_bytes"][str(level)] = rep.predict_peak(**shapes)
+        key = str(level)
+        out["reports"][key] = rep
+        out["peak_bytes"][key] = rep.predict_peak(**shapes)
         out["resident_bytes"] = rep.resident_bytes(opt)
         if cap is not None:
-            out["max_batch"][str(level)] = rep.max_batch(cap, optimizer=opt, **({"seq": seq} if text else {}))
-        log(f"level {level}: planned in {time.monotonic() - started:.0f} s")
+            best = rep.max_batch(cap, optimizer=opt, **({"seq": seq} if text else {}))
+            out["max_batch"][key] = best
+            out["limit"][key] = limit(rep, cap, out["resident_bytes"], best,
+                                      lambda b: {name: (b, *dims[1:]) for name, dims in shapes.items()})
+            if text:
+                out["max_seq"][key] = max_seq(rep, cap, out["resident_bytes"], batch, spec.positions)
+        took.append(time.monotonic() - started)
+        left = len(levels) - i - 1
+        log(f"level {level}: planned in {_seconds(took[-1])}"
+            + (f"; {left} level{'s' if left > 1 else ''} left, about {_seconds(left * sum(took) / len(took))}"
+               if left else ""))
     out["shapes"] = shapes
     return out
 
 
-def table(result: dict, device: str | None) -> str:
+def limit(rep: Any, cap: int, resident: int, best: int, shapes_at: Callable[[int], dict]) -> dict:
+    """What stops the batch after ``best`` (the largest that fits) from fitting: the bytes it
+    needs and how far over ``cap`` they are, the bytes each example adds there, and the predicted
+    peak's phase, the op whose allocation reaches it and the largest values alive then (with
+    the modules that made them): ``{"batch", "needs", "over", "per_example", "phase", "at",
+    "module", "live": [[name, bytes, module], ...]}``."""
+    over = best + 1
+    peak = rep.predict_peak(**shapes_at(over))
+    before = rep.predict_peak(**shapes_at(best)) if best >= 1 else 0
+    breakdown = rep.peak_breakdown(**shapes_at(over))
+    owners = rep.owners()
+    live = [[name, b, owners.get(name, "")] for name, b in breakdown["live"][:3]]
+    return {"batch": over, "needs": resident + peak, "over": resident + peak - cap,
+            "per_example": peak - before if best >= 1 else None, "phase": breakdown["phase"],
+            "at": breakdown["at"], "module": owners.get(breakdown["at"] or "", ""), "live": live}
+
+
+def max_seq(rep: Any, cap: int, resident: int, batch: int, positions: int | None) -> int:
+    """The longest sequence whose step at ``batch`` fits ``cap`` beside ``resident`` bytes (at
+    most ``positions``, the model's longest; 0 if none fits)."""
+    from .report.model import largest_batch
+
+    return largest_batch(lambda s: resident + rep.predict_peak(input_ids=(batch, s)) <= cap, positions or 1 << 24)
+
+
+def table(result: dict, device: str | None, batch: int | None = None) -> str:
+    """The per-level rows, then (with ``device``) what limits each level's largest batch and the
+    longest sequence at ``batch``."""
+    text = "input_ids" in result.get("shapes", {"input_ids": ()})
     lines = [f"{'level':>5s}  {'step peak':>10s}  {'+ resident':>10s}  {'total':>10s}"
-             + ("  largest batch that fits" if device else "")]
+             + ("  largest batch that fits" if device else "")
+             + (f"  longest sequence at batch {batch}" if device and text and batch else "")]
     for level, peak in result["peak_bytes"].items():
         total = peak + result["resident_bytes"]
         row = f"{level:>5s}  {human(peak):>10s}  {human(result['resident_bytes']):>10s}  {human(total):>10s}"
         if device:
-            row += f"  {result['max_batch'][level]} (on {device})"
-        lines.append(row)
+            row += f"  {str(result['max_batch'][level]) + f' (on {device})':24s}"
+            if text and batch and level in result.get("max_seq", {}):
+                row += f"  {result['max_seq'][level]}"
+        lines.append(row.rstrip())
     lines.append("step peak: activations, gradients and the step's buffers (predicted); resident: weights, "
                  "buffers and optimizer state")
+    for level, why in (result.get("limit") or {}).items():
+        lines.append(f"level {level}: {limit_line(why, result['resident_bytes'], device)}")
     return "\n".join(lines)
+
+
+def limit_line(why: dict, resident: int, device: str | None) -> str:
+    """:func:`limit`'s answer in one sentence."""
+    where = f"{why['at']}" + (f" ({why['module']})" if why["module"] else "")
+    live = ", ".join(f"{n} {human(b)}" + (f" ({m})" if m else "") for n, b, m in why["live"])
+    head = (f"batch {why['batch']} needs {human(why['needs'])} ({human(resident)} resident), "
+            f"{human(why['over'])} over {device}")
+    if why["per_example"] is not None:
+        head += f"; each example adds {human(why['per_example'])} there"
+    return f"{head}; its peak is in the {why['phase']} at {where}, the largest alive: {live}"
 
 
 def plot(result: dict, path: str, device: str | None, batch: int) -> str:
@@ -439,9 +520,13 @@ def parser() -> argparse.ArgumentParser:
                     "without running the model (planned on the meta device).")
     p.add_argument("model", help="an HF config.json (or a folder holding one), or module:function returning the model")
     p.add_argument("--batch", type=int, default=8, help="batch size")
-    p.add_argument("--seq", type=int, default=512, help="sequence length (text models)")
-    p.add_argument("--level", choices=["0", "1", "2", "all"], default="all", help="fxmem level(s) to plan")
-    p.add_argument("--device", default=None, help="device memory, e.g. 80GB or 24GiB: prints the largest batch")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (text models; default 512); vision models "
+                   "take the config's image_size")
+    p.add_argument("--level", choices=["0", "1", "2", "all"], default="1",
+                   help="fxmem level to plan (each takes one plan; 0 is fxmem's default compile, 1 recomputes "
+                        "layerwise), or all three")
+    p.add_argument("--device", default=None, help="device memory, e.g. 80GB or 24GiB: prints the largest batch at "
+                   "--seq, what stops the next one, and the longest sequence at --batch")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw", help="optimizer state kept per weight")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' and activations' dtype")
     p.add_argument("--step-in-backward", action="store_true",
@@ -458,10 +543,14 @@ def main(argv: list[str] | None = None) -> None:
     def log(msg: str) -> None:
         print(f"[fxmem estimate] {msg}", file=sys.stderr, flush=True)
 
-    result = estimate(a.model, a.batch, a.seq, levels, a.device, a.optimizer, a.dtype, log, a.step_in_backward)
+    result = estimate(a.model, a.batch, a.seq or 512, levels, a.device, a.optimizer, a.dtype, log,
+                      a.step_in_backward)
+    if a.seq is not None and "input_ids" not in result["shapes"]:
+        log(f"--seq {a.seq} does not apply: the model takes {describe(result['shapes'])}")
     if a.plot:
         log(f"plot written to {plot(result, a.plot, a.device, a.batch)}")
     if a.json:
-        print(json.dumps({k: result[k] for k in ("peak_bytes", "resident_bytes", "max_batch")}))
+        keys = ("peak_bytes", "resident_bytes", "max_batch", "limit", "max_seq")
+        print(json.dumps({**{k: result[k] for k in keys}, "inputs": {k: list(v) for k, v in result["shapes"].items()}}))
     else:
-        print(table(result, a.device))
+        print(table(result, a.device, a.batch))

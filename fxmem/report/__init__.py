@@ -94,10 +94,14 @@ def explain(model: Any, options: Mapping[str, Any] | None = None, **batch: Any) 
 
 
 def explain_layers(build: Callable[[int], Any], layers: int, options: Mapping[str, Any] | None = None,
-                   probes: tuple[int, int] = (2, 3), **batch: Any) -> LayerScaledReport:
+                   probes: tuple[int, int] = (2, 3), progress: Callable[[int, float], None] | None = None,
+                   **batch: Any) -> LayerScaledReport:
     """``fxmem.explain`` of ``build(layers)`` without tracing ``layers`` layers: ``build(k)``
     must return the model with ``k`` identical layers (on the meta device to plan what cannot
-    be allocated here); each probe depth is compiled (``dynamic=True``) and stepped once."""
+    be allocated here); each probe depth is compiled (``dynamic=True``) and stepped once.
+    ``progress(depth, seconds)`` is called as each probe is planned."""
+    import time
+
     a, b = probes
     if not (isinstance(a, int) and isinstance(b, int) and 1 <= a < b):
         raise ValueError(f"explain_layers: probes must be two depths 1 <= a < b, got {probes!r}")
@@ -105,7 +109,10 @@ def explain_layers(build: Callable[[int], Any], layers: int, options: Mapping[st
         raise ValueError(f"explain_layers: layers must be a positive int, got {layers!r}")
     reports = []
     for k in (a, b):
+        started = time.monotonic()
         rep = explain(build(k), options, **batch)
+        if progress is not None:
+            progress(k, time.monotonic() - started)
         if len(rep.graphs) != 1:
             raise ValueError(f"explain_layers: the model of {k} layers compiled into {len(rep.graphs)} graphs; "
                              "extrapolation needs the whole step in one graph (see the graph-break warning)")

@@ -48,6 +48,16 @@ class LayerScaledReport:
 
         return largest_batch(fits, limit)
 
+    def peak_breakdown(self, **shapes: Any) -> dict:
+        """What is alive at the predicted peak of the deeper probe (``MemoryReport.peak_breakdown``),
+        its ``"peak"`` extrapolated to ``layers``; ``"layers"``: the probe's depth."""
+        (_, _), (b, rb) = self.probes
+        return {**rb.peak_breakdown(**shapes), "peak": self.predict_peak(**shapes), "layers": b}
+
+    def owners(self) -> dict[str, str]:
+        """Scheduled value name -> module that made it, in the deeper probe."""
+        return self.probes[1][1]._graph().owners
+
     def __str__(self) -> str:
         (a, ra), (b, rb) = self.probes
         g = rb._graph()

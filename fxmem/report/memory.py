@@ -141,6 +141,10 @@ class MemoryReport:
         ``GraphReport.peak_breakdown``."""
         return self._graph().peak_breakdown(**shapes)
 
+    def owners(self) -> dict[str, str]:
+        """Scheduled value name -> module that made it (latest graph)."""
+        return self._graph().owners
+
     def max_batch(self, cap: int | str, limit: int = 1 << 20, optimizer: str | float | None = None,
                   **shapes: Any) -> int:
         """Largest batch (dimension 0 of the inputs) whose step fits in ``cap`` on the device:
