@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -152,6 +153,9 @@ def test_estimate_is_within_5_percent_at_levels_0_and_1(name, batch, seq):
     kinds the first configs did not cover; planned on the meta device (no dropout)."""
     config = CONFIGS / f"{name}.json"
     result = estimate(str(config), batch, seq, levels=(0, 1))
+    if name != "vit-patch8":  # labels are their own input; Dynamo gives them input_ids' symbols: either name works
+        rep = result["reports"]["0"]
+        assert rep.predict_peak(labels=(batch, seq)) == rep.predict_peak(input_ids=(batch, seq))
     for level in (0, 1):
         predicted = result["peak_bytes"][str(level)]
         measured = _measured_level1_peak(config, batch, seq, dynamic=False, level=level)
@@ -262,3 +266,74 @@ def test_a_module_function_builds_the_model():
     rep = result["reports"]["0"]
     assert result["max_batch"]["0"] >= 1
     assert params + rep.predict_peak(input_ids=(result["max_batch"]["0"] + 1, 16)) > 10**6
+
+
+@pytest.fixture(scope="module")
+def gqa_on_30mb():
+    config = str(CONFIGS / "qwen2-gqa-tiny.json")
+    return config, estimate(config, 4, 64, levels=(1,), device="30MB")
+
+
+@pytest.mark.slow  # about 20 s here
+def test_what_limits_the_batch_and_the_longest_sequence_are_the_predictions(gqa_on_30mb):
+    """``limit``: the first batch that does not fit, what it needs (resident + predicted peak,
+    over the device), the bytes its last example adds; ``max_seq``: the longest sequence at
+    ``--batch`` whose step fits, the next one does not."""
+    _, result = gqa_on_30mb
+    rep, resident, cap = result["reports"]["1"], result["resident_bytes"], 30 * 10**6
+    best, why, longest = result["max_batch"]["1"], result["limit"]["1"], result["max_seq"]["1"]
+    assert 4 < best and why["batch"] == best + 1
+    peak = rep.predict_peak(input_ids=(best + 1, 64))
+    assert why["needs"] == resident + peak and why["over"] == resident + peak - cap > 0
+    assert why["per_example"] == peak - rep.predict_peak(input_ids=(best, 64)) > 0
+    breakdown = rep.peak_breakdown(input_ids=(best + 1, 64))
+    assert (why["phase"], why["at"]) == (breakdown["phase"], breakdown["at"])
+    assert [n for n, _, _ in why["live"]] == [n for n, _ in breakdown["live"][:3]]
+    assert why["module"] and all(m for _, _, m in why["live"])  # each value's module (lm_head, model.layers.2.mlp, ...)
+    assert 64 < longest < 512
+    assert resident + rep.predict_peak(input_ids=(4, longest)) <= cap < resident + rep.predict_peak(
+        input_ids=(4, longest + 1))
+
+
+@pytest.mark.slow  # about 20 s here
+def test_cli_plans_one_level_and_says_what_limits(gqa_on_30mb, capsys):
+    """No --level: one plan (level 1); --device: the longest sequence at --batch and one line per
+    level on what stops the next batch."""
+    config, result = gqa_on_30mb
+    cli.main(["estimate", config, "--batch", "4", "--seq", "64", "--device", "30MB"])
+    out, err = capsys.readouterr()
+    assert "1 level to plan (1)" in err and err.count("planned in") == 1 and "left" not in err
+    rows = [line.split() for line in out.splitlines() if line.startswith("    1")]
+    assert len(rows) == 1 and rows[0][-1] == str(result["max_seq"]["1"]) and "longest sequence at batch 4" in out
+    why = result["limit"]["1"]
+    assert f"level 1: batch {why['batch']} needs " in out and f"its peak is in the {why['phase']} at {why['at']}" in out
+    assert "sequence 64" in err
+
+
+@pytest.mark.slow  # about 10 s here
+def test_vision_configs_name_their_images_not_a_sequence(capsys):
+    cli.main(["estimate", str(CONFIGS / "vit-patch8.json"), "--batch", "4", "--seq", "100", "--device", "50MB",
+              "--json"])
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["inputs"] == {"pixel_values": [4, 3, 96, 96]} and result["max_seq"] == {}
+    assert "images 3x96x96" in err and "seq" not in err.replace("--seq 100 does not apply", "")
+    assert result["max_batch"]["1"] >= 4 and result["limit"]["1"]["batch"] == result["max_batch"]["1"] + 1
+
+
+DEEP_LLAMA = {**TINY_LLAMA, "num_hidden_layers": 8}
+
+
+@pytest.mark.slow  # four tiny compiles: about 40 s here
+def test_deep_models_show_progress_with_an_eta(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEP_LLAMA))
+    cli.main(["estimate", str(path), "--batch", "2", "--seq", "16", "--level", "all"])
+    _, err = capsys.readouterr()
+    assert "3 levels to plan (0, 1, 2)" in err
+    for level in (0, 1, 2):
+        assert f"level {level}: planning 2 and 3 of 8 layers, extrapolating; 2 layers first" in err
+        assert re.search(rf"level {level}: 2 layers planned in \d+ s; 3 layers next, about \d+ s", err), err
+    assert re.search(r"level 0: planned in \d+ s; 2 levels left, about \d+ s", err), err
+    assert re.search(r"level 1: planned in \d+ s; 1 level left, about \d+ s", err), err
+    assert re.search(r"level 2: planned in \d+ s\n", err), err
