@@ -61,9 +61,14 @@ def step_inputs(model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype
         h, w = (size, size) if isinstance(size, int) else tuple(size)
         x = torch.randn(batch, getattr(cfg, "num_channels", 3), h, w, dtype=dtype, device=device)
         return {"pixel_values": x, "labels": labels}
+    if main == "input_features":  # speech encoder-decoders (Whisper): log-mel frames of the config's length
+        frames = 2 * getattr(cfg, "max_source_positions", 1500)  # the encoder's two strided convolutions halve it
+        x = torch.randn(batch, getattr(cfg, "num_mel_bins", 80), frames, dtype=dtype, device=device)
+        tokens = torch.randint(0, getattr(cfg, "vocab_size", 2), (batch, seq), device=device)
+        return {"input_features": x, "labels": tokens}
     if main != "input_ids":
-        raise ValueError(f"estimate: the model's main input is {main!r}; allowed: input_ids (text) or pixel_values "
-                         "(vision)")
+        raise ValueError(f"estimate: the model's main input is {main!r}; allowed: input_ids (text), pixel_values "
+                         "(vision) or input_features (speech, e.g. Whisper)")
     ids = torch.randint(0, getattr(cfg, "vocab_size", 2), (batch, seq), device=device)
     classifier = type(model).__name__.endswith("ForSequenceClassification")
     # token labels are a tensor of their own, as a data loader gives them (one tensor passed as
@@ -94,8 +99,8 @@ def _hf_class(config: Any) -> type:
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
-    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
-                 "AutoModelForSequenceClassification"):
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModelForMaskedLM",
+                 "AutoModelForImageClassification", "AutoModelForSequenceClassification"):
         mapping = getattr(transformers, auto)._model_mapping
         if type(config) in mapping:
             return mapping[type(config)]
@@ -154,7 +159,7 @@ def hf_spec(path: str, dtype: torch.dtype) -> Spec:
             model.loss_type = getattr(cfg, "loss_type", None) or _loss_type(cls)
         return model.train()
 
-    positions = next((v for k in ("max_position_embeddings", "n_positions")
+    positions = next((v for k in ("max_position_embeddings", "n_positions", "max_target_positions")
                       if isinstance(v := getattr(config, k, None), int) and v > 0), None)
     return Spec(build, getattr(config, attr) if attr else None, f"{cls.__name__} ({os.path.basename(file)})",
                 positions)
@@ -364,17 +369,27 @@ def _stepped(build: Callable[..., torch.nn.Module], opt: torch.optim.Optimizer) 
 
 
 def _shapes(inputs: dict[str, torch.Tensor], batch: int) -> dict[str, tuple]:
-    """The main input's shape at ``batch``: what ``predict_peak`` takes."""
-    name = "pixel_values" if "pixel_values" in inputs else "input_ids"
-    return {name: (batch, *inputs[name].shape[1:])}
+    """The shapes at ``batch`` of the inputs whose sizes the step's memory depends on (what
+    ``predict_peak`` takes): the main input, and a speech model's token labels."""
+    names = [n for n in ("input_ids", "pixel_values", "input_features") if n in inputs]
+    names += ["labels"] if "input_features" in inputs else []
+    return {n: (batch, *inputs[n].shape[1:]) for n in names}
+
+
+def sequence_input(shapes: dict[str, tuple]) -> str | None:
+    """The input whose dimension 1 is ``--seq``: the tokens (a speech model's labels); None for images."""
+    return "input_ids" if "input_ids" in shapes else "labels" if "labels" in shapes else None
 
 
 def describe(shapes: dict[str, tuple]) -> str:
-    """The step's input as a person reads it: ``sequence 512`` or ``images 3x224x224``."""
-    (name, dims), = shapes.items()
-    if name == "input_ids":
-        return f"sequence {dims[1]}"
-    return f"images {'x'.join(map(str, dims[1:]))} (the config's image_size and num_channels)"
+    """The step's input as a person reads it: ``sequence 512``, ``images 3x224x224``, or a speech
+    model's ``audio features 80x3000 ..., labels sequence 64``."""
+    if "input_ids" in shapes:
+        return f"sequence {shapes['input_ids'][1]}"
+    if "input_features" in shapes:
+        return (f"audio features {'x'.join(map(str, shapes['input_features'][1:]))} (the config's num_mel_bins and "
+                f"2 x max_source_positions), labels sequence {shapes['labels'][1]}")
+    return f"images {'x'.join(map(str, shapes['pixel_values'][1:]))} (the config's image_size and num_channels)"
 
 
 def _seconds(s: float) -> str:
@@ -401,7 +416,10 @@ def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str |
     spec = spec_for(source, torch_dtype)
     sample = step_inputs(spec.build(1 if spec.layers else None, "meta"), 2, seq, torch_dtype)  # a bad config fails here
     shapes = _shapes(sample, batch)
-    text = "input_ids" in shapes
+    tokens = sequence_input(shapes)
+
+    def shapes_at(b: int) -> dict[str, tuple]:
+        return {name: (b, *dims[1:]) for name, dims in shapes.items()}
     log(f"{spec.name}: batch {batch}, {describe(shapes)}, {dtype}, optimizer {optimizer}; "
         f"{len(levels)} level{'s' if len(levels) > 1 else ''} to plan ({', '.join(map(str, levels))})")
     out: dict[str, Any] = {"peak_bytes": {}, "resident_bytes": None, "max_batch": {}, "limit": {}, "max_seq": {},
@@ -418,12 +436,11 @@ def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str |
         out["peak_bytes"][key] = rep.predict_peak(**shapes)
         out["resident_bytes"] = rep.resident_bytes(opt)
         if cap is not None:
-            best = rep.max_batch(cap, optimizer=opt, **({"seq": seq} if text else {}))
+            best = rep.max_batch(cap, optimizer=opt, **shapes_at(1))  # (dimension 0 replaced by each batch)
             out["max_batch"][key] = best
-            out["limit"][key] = limit(rep, cap, out["resident_bytes"], best,
-                                      lambda b: {name: (b, *dims[1:]) for name, dims in shapes.items()})
-            if text:
-                out["max_seq"][key] = max_seq(rep, cap, out["resident_bytes"], batch, spec.positions)
+            out["limit"][key] = limit(rep, cap, out["resident_bytes"], best, shapes_at)
+            if tokens is not None:
+                out["max_seq"][key] = max_seq(rep, cap, out["resident_bytes"], shapes, tokens, spec.positions)
         took.append(time.monotonic() - started)
         left = len(levels) - i - 1
         log(f"level {level}: planned in {_seconds(took[-1])}"
@@ -450,18 +467,21 @@ def limit(rep: Any, cap: int, resident: int, best: int, shapes_at: Callable[[int
             "at": breakdown["at"], "module": owners.get(breakdown["at"] or "", ""), "live": live}
 
 
-def max_seq(rep: Any, cap: int, resident: int, batch: int, positions: int | None) -> int:
-    """The longest sequence whose step at ``batch`` fits ``cap`` beside ``resident`` bytes (at
-    most ``positions``, the model's longest; 0 if none fits)."""
+def max_seq(rep: Any, cap: int, resident: int, shapes: dict[str, tuple], tokens: str, positions: int | None) -> int:
+    """The longest sequence (dimension 1 of ``tokens``) whose step at ``shapes`` fits ``cap``
+    beside ``resident`` bytes (at most ``positions``, the model's longest; 0 if none fits)."""
     from .report.model import largest_batch
 
-    return largest_batch(lambda s: resident + rep.predict_peak(input_ids=(batch, s)) <= cap, positions or 1 << 24)
+    def fits(s: int) -> bool:
+        return resident + rep.predict_peak(**{**shapes, tokens: (shapes[tokens][0], s)}) <= cap
+
+    return largest_batch(fits, positions or 1 << 24)
 
 
 def table(result: dict, device: str | None, batch: int | None = None) -> str:
     """The per-level rows, then (with ``device``) what limits each level's largest batch and the
     longest sequence at ``batch``."""
-    text = "input_ids" in result.get("shapes", {"input_ids": ()})
+    text = sequence_input(result.get("shapes", {"input_ids": ()})) is not None
     lines = [f"{'level':>5s}  {'step peak':>10s}  {'+ resident':>10s}  {'total':>10s}"
              + ("  largest batch that fits" if device else "")
              + (f"  longest sequence at batch {batch}" if device and text and batch else "")]
@@ -498,11 +518,12 @@ def plot(result: dict, path: str, device: str | None, batch: int) -> str:
     cap = parse_bytes(device, "device") if device else None
     top = max([batch * 2, *[2 * b for b in result["max_batch"].values()]])
     batches = sorted({max(1, round(top * i / 40)) for i in range(41)})
-    (name, dims), = result["shapes"].items()
+    shapes = result["shapes"]
     fig, ax = axes("estimate --plot")
     styles = ["-", "--", ":"]
     for i, (level, rep) in enumerate(result["reports"].items()):
-        total = [(result["resident_bytes"] + rep.predict_peak(**{name: (b, *dims[1:])})) / 2**30 for b in batches]
+        total = [(result["resident_bytes"] + rep.predict_peak(**{n: (b, *d[1:]) for n, d in shapes.items()})) / 2**30
+                 for b in batches]
         best = result["max_batch"].get(level)
         label = f"level {level}" + (f" (largest batch {best})" if best is not None else "")
         ax.plot(batches, total, styles[i % 3], linewidth=2, label=label)
@@ -545,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
 
     result = estimate(a.model, a.batch, a.seq or 512, levels, a.device, a.optimizer, a.dtype, log,
                       a.step_in_backward)
-    if a.seq is not None and "input_ids" not in result["shapes"]:
+    if a.seq is not None and sequence_input(result["shapes"]) is None:
         log(f"--seq {a.seq} does not apply: the model takes {describe(result['shapes'])}")
     if a.plot:
         log(f"plot written to {plot(result, a.plot, a.device, a.batch)}")

@@ -147,13 +147,15 @@ def test_estimate_is_within_5_percent_of_the_measured_level1_peak(name):
     ("bart-tiny", 4, 64),  # encoder-decoder whose first read input is labels; the logits' bias added
     ("qwen2-gqa-tiny", 4, 64),  # grouped-query attention: 8 query heads, 2 key/value heads
     ("vit-patch8", 4, 64),  # a ViT none of the estimate's numbers were tuned on (96x96 images, patch 8)
+    ("whisper-tiny", 4, 32),  # speech encoder-decoder: log-mel input_features and token labels
 ])
 def test_estimate_is_within_5_percent_at_levels_0_and_1(name, batch, seq):
     """Against the static-shape step of each level (what a user runs by default), for model
-    kinds the first configs did not cover; planned on the meta device (no dropout)."""
+    kinds the first configs did not cover; planned on the meta device (no dropout). Also, for
+    text models, either name of a shared symbol gives the same prediction."""
     config = CONFIGS / f"{name}.json"
     result = estimate(str(config), batch, seq, levels=(0, 1))
-    if name != "vit-patch8":  # labels are their own input; Dynamo gives them input_ids' symbols: either name works
+    if name not in ("vit-patch8", "whisper-tiny"):  # labels are their own input, with input_ids' symbols
         rep = result["reports"]["0"]
         assert rep.predict_peak(labels=(batch, seq)) == rep.predict_peak(input_ids=(batch, seq))
     for level in (0, 1):
@@ -337,3 +339,17 @@ def test_deep_models_show_progress_with_an_eta(tmp_path, capsys):
     assert re.search(r"level 0: planned in \d+ s; 2 levels left, about \d+ s", err), err
     assert re.search(r"level 1: planned in \d+ s; 1 level left, about \d+ s", err), err
     assert re.search(r"level 2: planned in \d+ s\n", err), err
+
+
+@pytest.mark.slow  # about 25 s here
+def test_speech_configs_take_audio_features_and_token_labels(capsys):
+    """Whisper: log-mel ``input_features`` of the config's length and token ``labels`` of
+    ``--seq``; the longest sequence is the labels' (at most max_target_positions)."""
+    cli.main(["estimate", str(CONFIGS / "whisper-tiny.json"), "--batch", "4", "--seq", "32", "--device", "20MB",
+              "--level", "0", "--json"])
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["inputs"] == {"input_features": [4, 16, 128], "labels": [4, 32]}
+    assert "audio features 16x128" in err and "labels sequence 32" in err
+    assert 4 < result["max_batch"]["0"] and result["limit"]["0"]["batch"] == result["max_batch"]["0"] + 1
+    assert 32 < result["max_seq"]["0"] <= 128  # max_target_positions
