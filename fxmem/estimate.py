@@ -429,7 +429,10 @@ def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str |
         started = time.monotonic()
         with warnings.catch_warnings():  # kept as a safety net: composite_autograd_on_meta removes the cause
             warnings.filterwarnings("ignore", message=r"aten::\w+: an autograd kernel was not registered")
-            with fused_attention_on_meta(), composite_autograd_on_meta():
+            # floats (a norm's eps) as constants, as a static compile has them: dynamic=True would
+            # make a module's float attribute a graph input, which no lowering can take as its eps
+            with fused_attention_on_meta(), composite_autograd_on_meta(), \
+                    torch._dynamo.config.patch(specialize_float=True):
                 rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
         key = str(level)
         out["reports"][key] = rep

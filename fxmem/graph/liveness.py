@@ -296,7 +296,14 @@ def peak_bytes(events: Sequence[tuple[str, str, int]]) -> int:
 
 def peak(events: list[Event], values: Mapping[str, int], base: int = 0) -> Liveness:
     """Walk a schedule at the given symbol values (by name); ``base`` bytes are alive throughout."""
-    ints = [(kind, name, evaluate(expr, values)) for kind, name, expr in events]
+    at_values: dict[sympy.Expr, int] = {}  # a schedule repeats few formulas (each layer's tensors alike)
+
+    def value(expr: sympy.Expr) -> int:
+        if expr not in at_values:
+            at_values[expr] = evaluate(expr, values)
+        return at_values[expr]
+
+    ints = [(kind, name, value(expr)) for kind, name, expr in events]
     best, at = _highest(ints, base)
     live: dict[str, int] = {}
     for kind, name, b in ints[:at + 1]:
