@@ -353,3 +353,30 @@ def test_speech_configs_take_audio_features_and_token_labels(capsys):
     assert "audio features 16x128" in err and "labels sequence 32" in err
     assert 4 < result["max_batch"]["0"] and result["limit"]["0"]["batch"] == result["max_batch"]["0"] + 1
     assert 32 < result["max_seq"]["0"] <= 128  # max_target_positions
+
+
+class _Probe:
+    """A probe's report: its predicted peak as a function of the batch (planned at batch 4)."""
+
+    def __init__(self, peak):
+        self.peak = peak
+
+    def predict_peak(self, **shapes):
+        return self.peak(shapes.get("input_ids", (4, 8))[0])
+
+
+def test_extrapolated_peak_never_grows_slower_per_layer_than_at_the_planned_shape():
+    """Two probes' least-peak plans may grow differently with the batch (seen on an 8B config
+    at level 1: the 3-layer plan's peak grew slower than the 2-layer one's above batch 12, so
+    the line through them went negative and the largest batch was the search's limit). Each
+    layer adds at least what it adds at the planned shape."""
+    from fxmem.report import LayerScaledReport
+
+    shallow = _Probe(lambda b: 100 * b)
+    deep = _Probe(lambda b: 100 * b + 50 - (10 * (b - 8) if b > 8 else 0))  # 50 more at batch 4; less from 13 on
+    rep = LayerScaledReport(32, ((2, shallow), (3, deep)))
+    assert rep.predict_peak() == 400 + 30 * 50  # the line through the probes at the planned shape
+    assert rep.predict_peak(input_ids=(8, 8)) == 800 + 30 * 50
+    assert rep.predict_peak(input_ids=(64, 8)) == 6400 + 30 * 50  # not 6400 + 30 * (50 - 560)
+    peaks = [rep.predict_peak(input_ids=(b, 8)) for b in range(1, 200)]
+    assert peaks == sorted(peaks)

@@ -12,6 +12,7 @@ the line against a real compile.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 from ..options import parse_bytes
@@ -29,8 +30,21 @@ class LayerScaledReport:
         return _through(a, f(ra), b, f(rb), self.layers)
 
     def predict_peak(self, **shapes: Any) -> int:
-        """The step's predicted peak at ``layers`` (see ``MemoryReport.predict_peak``)."""
-        return self._line(lambda r: r.predict_peak(**shapes))
+        """The step's predicted peak at ``layers`` (see ``MemoryReport.predict_peak``).
+
+        Each probe's plan was chosen at the planned shape; at another shape its formulas are
+        that plan's, and two probes' plans (level 1's least peak) may grow differently with the
+        batch, even so that the deeper one grows slower. A layer never adds less to the step
+        than it does at the planned shape, so the line's slope is at least that one there."""
+        (a, ra), (b, rb) = self.probes
+        fa, fb = ra.predict_peak(**shapes), rb.predict_peak(**shapes)
+        return _through(a, fa, b, fa + max(fb - fa, self._planned_slope), self.layers)
+
+    @cached_property
+    def _planned_slope(self) -> int:
+        """The deeper probe's peak above the shallower one's, both at the planned shape."""
+        (_, ra), (_, rb) = self.probes
+        return rb.predict_peak() - ra.predict_peak()
 
     def resident_bytes(self, optimizer: str | float | None = None) -> int:
         """Parameters, buffers and optimizer state at ``layers`` (see ``MemoryReport.resident_bytes``)."""
@@ -44,7 +58,8 @@ class LayerScaledReport:
         pa, pb = batch_peak(ra._graph(), shapes), batch_peak(rb._graph(), shapes)
 
         def fits(n: int) -> bool:
-            return state + _through(a, pa(n), b, pb(n), self.layers) <= cap_bytes
+            fa = pa(n)
+            return state + _through(a, fa, b, fa + max(pb(n) - fa, self._planned_slope), self.layers) <= cap_bytes
 
         return largest_batch(fits, limit)
 
