@@ -199,7 +199,7 @@ class Partitioner(CustomPartitionerFn):
         log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
                   chosen.level, len(chosen.saved), chosen.saved_bytes)
         try:
-            result = split(joint, chosen.saved, settings.target.input_views)
+            result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded)
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)
