@@ -94,31 +94,51 @@ def host_pool() -> HostPool:
     return _POOL
 
 
-def _span(x: torch.Tensor) -> int:
-    """Elements from ``x``'s first to one past its last (its strides' extent)."""
-    if x.numel() == 0:
+def _span(shape, stride) -> int:
+    """Elements from a tensor's first to one past its last (its strides' extent)."""
+    if any(s == 0 for s in shape):
         return 0
-    return 1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride()))
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
 
 
-def _strided_like(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``base``'s bytes viewed with ``like``'s dtype, size and strides (offset 0)."""
-    flat = base[: _span(like) * like.element_size()].view(like.dtype)
-    return flat.as_strided(like.shape, like.stride())
+def _host_stride(x: torch.Tensor) -> tuple[int, ...]:
+    """The strides of ``x``'s host copy: its own where they are dense (no element twice, no gap:
+    a saved activation's layout, channels-last included, kept), else contiguous (an expanded
+    tensor, which a saved-tensor hook may be given)."""
+    if not all(type(v) is int for v in (*x.shape, *x.stride())):  # traced: an op's own output, dense
+        return x.stride()
+    return x.stride() if _dense(x.shape, x.stride()) else torch.empty(x.shape, device="meta").stride()
+
+
+def _dense(shape, stride) -> bool:
+    """Every element of the span stored once: sorted by stride, each dimension steps over
+    exactly the ones inside it."""
+    expected = 1
+    for step, size in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _strided_like(base: torch.Tensor, like: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``base``'s bytes viewed with ``like``'s dtype and size and ``stride`` (offset 0)."""
+    flat = base.view(like.dtype)
+    return flat.as_strided(like.shape, stride)
 
 
 @torch.library.custom_op("fxmem::offload", mutates_args=())
 def offload(x: torch.Tensor) -> torch.Tensor:
     """``x`` copied into a host buffer from the pool (same size, strides, dtype)."""
-    pinned = x.is_cuda
-    h = _POOL.take(_span(x) * x.element_size(), pinned, lambda buf: _strided_like(buf, x))
+    pinned, stride = x.is_cuda, _host_stride(x)
+    h = _POOL.take(_span(x.shape, stride) * x.element_size(), pinned, lambda buf: _strided_like(buf, x, stride))
     h.copy_(x, non_blocking=pinned)
     return h
 
 
 @offload.register_fake
 def _(x):
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+    return torch.empty_strided(x.shape, _host_stride(x), dtype=x.dtype, device="cpu")
 
 
 @torch.library.custom_op("fxmem::reload", mutates_args=())

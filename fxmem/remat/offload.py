@@ -75,21 +75,29 @@ def model_of(ctx: PlanContext) -> CostModel:
 
 def offloadable(ctx: PlanContext, saved) -> list[fx.Node]:
     """The values keeping ``saved`` hands to the backward that may go to host memory, earliest in
-    the forward first: a forward op's own storage (not a view, not shared with another value handed
-    over), not returned by the forward, not a generator state."""
+    the forward first: a forward op's storage, whole (the op's output or a view of all of it, such
+    as the reshape a matmul reads; not shared with another value handed over), that the forward
+    does not return; not a generator state."""
     pos = {n: i for i, n in enumerate(ctx.joint.gm.graph.nodes)}
     _, tensors, _ = handoff(ctx.joint, set(saved), pos)
     roots: dict[fx.Node, int] = {}
     for n in tensors:
         roots[ctx.root.get(n, n)] = roots.get(ctx.root.get(n, n), 0) + 1
     returned = set(ctx.joint.fwd_outputs)
-    return [n for n in tensors if n.op == "call_function" and n.target is not generator_state
-            and ctx.root.get(n) is n and roots[n] == 1 and n not in returned and ctx.nbytes.get(n, 0) > 0
-            and isinstance(n.meta.get("val"), torch.Tensor)]
+    whole = {n for n in tensors if n.op == "call_function" and n not in ctx.free and roots[ctx.root[n]] == 1
+             and isinstance(n.meta.get("val"), torch.Tensor) and ctx.nbytes.get(n, 0) > 0
+             and host_bytes(ctx, n) == ctx.nbytes[n]}
+    return [n for n in tensors if n in whole and n.target is not generator_state
+            and not {n, ctx.root[n]} & returned]
+
+
+def host_bytes(ctx: PlanContext, n: fx.Node) -> int:
+    """Bytes of ``n``'s copy in host memory (its own elements), at the plan shape."""
+    return ctx.sizes.at(ctx.sizes.nbytes(n))
 
 
 def offloaded_of(ctx: PlanContext, nodes) -> Offloaded:
-    nbytes = sum(ctx.nbytes[n] for n in nodes)
+    nbytes = sum(host_bytes(ctx, n) for n in nodes)
     return Offloaded(tuple(nodes), nbytes, model_of(ctx).transfer(nbytes)) if nodes else NONE
 
 
@@ -148,5 +156,5 @@ def to_bytes(ctx: PlanContext, chosen: Candidate, cap: int) -> Offloaded:
         if over <= 0:
             break
         moved.append(n)
-        over -= ctx.nbytes[n]
+        over -= host_bytes(ctx, n)
     return offloaded_of(ctx, moved)

@@ -1,0 +1,193 @@
+"""Keep, recompute or offload (issue #58): fxmem's ``offload`` against recompute alone and against
+the seed's recipe, on three models whose activations dominate their step.
+
+    python bench/studies/offload.py --models bert,llama,resnet --inner eager,inductor
+    # writes bench/results/offload.{json,md}
+
+Per model and inner compiler, one run, side by side (exact allocator peaks of the last step,
+step times the median of the steps after two warm-up steps):
+
+- ``recompute-only``: fxmem ``memory_budget=0.0``, the least peak recompute alone reaches;
+- ``offload@0.8``: ``peak_budget`` = 0.8 x that measured peak, ``offload=True``; its gradients
+  and buffers compared bit for bit with the same plan run without offload (``same plan, no
+  offload``: the split told to keep the offloaded values on the device);
+- ``offload``: ``offload=True`` at level 1 (the least peak offloading reaches);
+- ``seed``: the seed documents' recipe in eager PyTorch: Hugging Face gradient checkpointing
+  (where the model supports it) with ``torch.autograd.graph.save_on_cpu``'s hooks. On these
+  CPU-only machines both fxmem's host copies and the seed's come from the same host pool
+  (``fxmem.host_memory``: numpy buffers, outside torch's allocator), so the allocator's peak is
+  the device's for both.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+import common  # noqa: E402
+import harness  # noqa: E402
+import torch  # noqa: E402
+
+import fxmem  # noqa: E402  (registers the backend)
+from fxmem.models import Workload, hf_llama  # noqa: E402
+from fxmem.profiling import step_perf  # noqa: E402
+from fxmem.remat import partition  # noqa: E402
+
+MiB = 2**20
+BUDGET = 0.8  # of the least recompute-only peak (issue #58)
+
+
+def resnet(batch=16, size=64, seed=0) -> Workload:
+    """An HF ResNet (basic blocks, 4 stages of 2, widths 32-256, BatchNorm in training mode)."""
+    from fxmem.testing.zoo import _hf, _images
+
+    return _hf("resnet", "ResNetForImageClassification", _images(batch, size, 10, seed), seed, embedding_size=32,
+               hidden_sizes=[32, 64, 128, 256], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10)
+
+
+def bert(batch=64, seq=128, d=256, layers=6, heads=4, seed=0) -> Workload:
+    """A BERT encoder with a sequence-classification head (dropout 0.1 as it ships), at a large batch:
+    no vocabulary-sized logits, the encoder's activations are the step."""
+    from fxmem.testing.zoo import _hf
+
+    g = torch.Generator().manual_seed(seed)
+    batch_ = {"input_ids": torch.randint(1000, 30522, (batch, seq), generator=g),
+              "labels": torch.randint(0, 2, (batch,), generator=g)}
+    return _hf("bert", "BertForSequenceClassification", batch_, seed, hidden_size=d, num_hidden_layers=layers,
+               num_attention_heads=heads, intermediate_size=4 * d, num_labels=2)
+
+
+MODELS = {
+    "bert": bert,
+    "llama": lambda: hf_llama(batch=8, seq=256, vocab=8192, d=256, layers=8, heads=4),
+    "resnet": resnet,
+}
+
+
+@contextlib.contextmanager
+def _without_offload():
+    """The split keeps every offloaded value on the device: the same plan, no host copies."""
+    split = partition.split
+    partition.split = lambda joint, saved, input_views=True, offloaded=(): split(joint, saved, input_views)
+    try:
+        yield
+    finally:
+        partition.split = split
+
+
+def _host_hooks():
+    """``save_on_cpu``'s hooks (a saved tensor copied to host memory in the forward, back in the
+    backward), into fxmem's host pool so that the allocator does not count the host copies."""
+    def pack(t):
+        return t.device, torch.ops.fxmem.offload(t)
+
+    def unpack(packed):
+        device, h = packed
+        return torch.ops.fxmem.reload(h, device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _step(w: Workload, model, fn, steps: int, hooks=None) -> dict:
+    times, peak = [], None
+    for i in range(steps):
+        for p in model.parameters():
+            p.grad = None
+        gc.collect()
+        torch.manual_seed(1)
+        last = i == steps - 1
+        with step_perf("cpu", memory=last) as perf:
+            start = time.perf_counter()
+            with hooks() if hooks else contextlib.nullcontext():
+                loss = w.loss(fn(**w.batch))
+            loss.backward()
+            times.append(time.perf_counter() - start)
+        if last:
+            peak = perf.result.peak_bytes
+    return dict(peak=peak, step_s=statistics.median(times[2:]) if len(times) > 2 else times[-1],
+                loss=float(loss), grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                buffers={n: b.clone() for n, b in model.named_buffers()})
+
+
+def _fxmem(w: Workload, inner: str, options: dict, steps: int, no_offload: bool = False) -> dict:
+    torch._dynamo.reset()
+    model = copy.deepcopy(w.model)
+    fn = torch.compile(model, backend="fxmem", options={"inner": inner, **options})
+    with warnings.catch_warnings(record=True) as caught, (_without_offload() if no_offload else contextlib.nullcontext()):
+        warnings.simplefilter("always")
+        r = _step(w, model, fn, steps)
+    rep = fxmem.report(fn)
+    r.update(predicted=rep.predict_peak(), host=sum(g.host_bytes() for g in rep.graphs),
+             offloaded=sum(len(g.offloaded) for g in rep.graphs),
+             warnings=[str(x.message)[:160] for x in caught if "fxmem" in str(x.message)])
+    return r
+
+
+def _seed(w: Workload, steps: int) -> dict:
+    model = copy.deepcopy(w.model)
+    ckpt = bool(getattr(model, "supports_gradient_checkpointing", False))
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    r = _step(w, model, model, steps, hooks=_host_hooks)
+    r["recipe"] = "HF checkpointing + save_on_cpu" if ckpt else "save_on_cpu (no HF checkpointing for this model)"
+    return r
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def measure(name: str, inner: str, steps: int) -> list[dict]:
+    torch.manual_seed(0)
+    w = MODELS[name]()
+    base = dict(model=name, inner=inner)
+    rows = []
+
+    def row(config, r, **extra):
+        out = {**base, "config": config, "peak": r["peak"], "step_s": r["step_s"], "predicted": r.get("predicted"),
+               "host": r.get("host", 0), "offloaded": r.get("offloaded", 0), "loss": r["loss"],
+               "warnings": "; ".join(r.get("warnings", [])), **extra}
+        print(f"{name} {inner} {config}: peak {r['peak'] / MiB:.1f} MiB, predicted "
+              f"{(r.get('predicted') or 0) / MiB:.1f}, host {out['host'] / MiB:.1f} MiB, step {r['step_s']:.2f} s "
+              f"{extra}", flush=True)
+        rows.append(out)
+
+    least = _fxmem(w, inner, {"memory_budget": 0.0}, steps)
+    row("recompute-only", least)
+    cap = int(BUDGET * least["peak"])
+    off = _fxmem(w, inner, {"peak_budget": cap, "offload": True}, steps)
+    same = _fxmem(w, inner, {"peak_budget": cap, "offload": True}, steps, no_offload=True)
+    row("offload@0.8", off, budget=cap, met=off["peak"] <= 1.02 * cap,
+        bitwise=_same(off["grads"], same["grads"]) and _same(off["buffers"], same["buffers"]))
+    row("same plan, no offload", same)
+    row("offload", _fxmem(w, inner, {"level": 1, "offload": True}, steps))
+    if inner == "eager":
+        seed = _seed(w, steps)
+        row("seed", seed, recipe=seed["recipe"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--inner", default="eager,inductor")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--name", default="offload")
+    args = ap.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        for inner in args.inner.split(","):
+            rows += measure(name, inner, args.steps)
+    harness.write(args.name, rows, meta=common.metadata(), spec="offload")
+
+
+if __name__ == "__main__":
+    main()
