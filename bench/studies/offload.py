@@ -121,7 +121,8 @@ def _fxmem(w: Workload, inner: str, options: dict, steps: int, no_offload: bool 
     torch._dynamo.reset()
     model = copy.deepcopy(w.model)
     fn = torch.compile(model, backend="fxmem", options={"inner": inner, **options})
-    with warnings.catch_warnings(record=True) as caught, (_without_offload() if no_offload else contextlib.nullcontext()):
+    same = _without_offload() if no_offload else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, same:
         warnings.simplefilter("always")
         r = _step(w, model, fn, steps)
     rep = fxmem.report(fn)

@@ -36,7 +36,7 @@ from ..warn import warn
 from .candidate import SLACK, Candidate
 from .context import PlanContext
 from .mincut import CutProblem, frontier, saved_bytes
-from .offload import NONE, Offloaded, cheapest_with_offload, least_offload, to_bytes
+from .offload import NONE, Offloaded, cheapest_with_offload, least_offload, least_peak_with_offload, to_bytes
 from .settings import PlanSettings
 from .split import Walk
 
@@ -310,6 +310,21 @@ def _chosen(ctx: PlanContext, settings: PlanSettings, chosen: Candidate, moved: 
                  f"{chosen.lam:.3g}; chosen among {how}")
     return list(chosen.saved), chosen.lam, recomp | ctx.walk(chosen.saved), moved
 
+
+
+def least_with_offload(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node], recomputable: set[fx.Node],
+                       keep: set[fx.Node], problem: Callable[[frozenset], CutProblem], notes: list[str],
+                       layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node], Offloaded]:
+    """``offload`` without a budget: (saved set, recompute weight, recomputable set, offloaded) of
+    the least simulated peak that keeping, recomputing what the level may (``recomputable``) and
+    offloading reach, at the least modelled time (``offload.least_peak_with_offload``)."""
+    recomp = recomputable - keep
+    p = problem(frozenset(recomp))
+    scored, how = candidates(ctx, saved0, recomp, p, layerwise)
+    chosen, moved, peak = least_peak_with_offload(ctx, scored)
+    what = f"level {settings.level} with offload (the least peak, then the least modelled time)"
+    return _chosen(ctx, settings, replace(chosen, peak=peak), moved, what, saved_bytes(p, saved0), how, recomp,
+                   notes)
 
 
 def _least_peak(c: Candidate) -> tuple:

@@ -16,7 +16,8 @@ comes back when memory is low; the first k of them for the least k that meets a 
 :func:`cheapest_with_offload` tries that on a spread of recompute candidates (from no recompute
 to the least peak) and keeps the least modelled time: on a GPU recomputing a matmul usually costs
 less than moving its output twice over PCIe; on a CPU, whose memory copies are fast next to its
-FLOPs, moving usually costs less.
+FLOPs, moving usually costs less. Without a cap, :func:`least_peak_with_offload`: the least peak
+the three reach together, then the least time.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def least_offload(ctx: PlanContext, saved, cap: int | None) -> tuple[Offloaded, 
         return ctx.peak(saved, frozenset(order[:k]))
 
     low = peak(len(order))
+    if low >= peak0:  # the peak is where none of them is alive (the backward's last layer, say)
+        return NONE, peak0
     target = low * (1 + SLACK) if cap is None or low > cap else cap
     lo, hi = 0, len(order)  # peak(lo) > target >= peak(hi)
     while hi - lo > 1:
@@ -125,18 +128,37 @@ def least_offload(ctx: PlanContext, saved, cap: int | None) -> tuple[Offloaded, 
     return offloaded_of(ctx, order[:hi]), (low if hi == len(order) else peak(hi))
 
 
+def _spread(scored: list[Candidate]) -> list[Candidate]:
+    """:data:`TRIED` candidates spread from the least recompute to the most, and the least peak's."""
+    by_cost = sorted(scored, key=lambda c: (c.cost, c.peak))
+    tried = {by_cost[i * (len(by_cost) - 1) // max(1, TRIED - 1)] for i in range(min(TRIED, len(by_cost)))}
+    tried.add(min(scored, key=lambda c: (c.peak, c.cost)))
+    return sorted(tried, key=lambda c: c.cost)
+
+
+def least_peak_with_offload(ctx: PlanContext, scored: list[Candidate]) -> tuple[Candidate, Offloaded, int]:
+    """(candidate, offloaded values, simulated peak) of the least peak keeping, recomputing and
+    offloading reach among :func:`_spread`'s candidates, each with :func:`least_offload` (the
+    fewest bytes moved for its least peak), then of the least modelled seconds."""
+    model = model_of(ctx)
+    options = []
+    for c in _spread(scored):
+        moved, peak = least_offload(ctx, c.saved, None)
+        options.append((peak, model.recompute(c.cost) + moved.seconds, c, moved))
+    low = min(o[0] for o in options)
+    peak, _, chosen, moved = min((o for o in options if o[0] <= low * (1 + SLACK)), key=lambda o: o[1])
+    return chosen, moved, peak
+
+
 def cheapest_with_offload(ctx: PlanContext, scored: list[Candidate], cap: int) -> tuple[Candidate, Offloaded] | None:
     """The recompute candidate and offloaded values of least modelled seconds (recompute plus
     transfers) whose simulated step peak is at most ``cap``; None when none is. Tries every
-    candidate that fits without offload (the least recompute of those) and :data:`TRIED` others
-    spread from the least recompute to the least peak, each with :func:`least_offload`."""
+    candidate that fits without offload (the least recompute of those) and :func:`_spread`'s,
+    each with :func:`least_offload`."""
     model = model_of(ctx)
-    by_cost = sorted(scored, key=lambda c: (c.cost, c.peak))
-    fits = [c for c in by_cost if c.peak <= cap]
-    tried = {by_cost[i * (len(by_cost) - 1) // max(1, TRIED - 1)] for i in range(min(TRIED, len(by_cost)))}
-    tried.add(min(scored, key=lambda c: (c.peak, c.cost)))
+    fits = sorted((c for c in scored if c.peak <= cap), key=lambda c: (c.cost, c.peak))
     options = [(model.recompute(fits[0].cost), fits[0].peak, fits[0], NONE)] if fits else []
-    for c in sorted(tried, key=lambda c: c.cost):
+    for c in _spread(scored):
         if fits and model.recompute(c.cost) >= options[0][0]:
             continue  # costs more than the cheapest plan that fits before moving a byte
         moved, peak = least_offload(ctx, c.saved, cap)

@@ -122,7 +122,7 @@ def _attempt(gm: fx.GraphModule | None, num_fwd_outputs: int, settings: PlanSett
 def candidate_peak(planned: tuple) -> int:
     """The simulated step peak of a planned candidate (:func:`_planned`'s result)."""
     _, _, chosen, ctx = planned
-    return ctx.peak(chosen.saved)
+    return ctx.peak(chosen.saved, frozenset(chosen.offloaded))
 
 
 def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, compared: Compared):

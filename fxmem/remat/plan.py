@@ -13,12 +13,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..warn import brief, warn
 from .allowlist import CHEAP, HEAVY, kind
-from .budget import Candidate, candidate_of, least_peak, within_budget
+from .budget import Candidate, candidate_of, least_peak, least_with_offload, within_budget
 from .clusters import Cluster
 from .context import PlanContext
 from .layers import every_kth
 from .mincut import CutProblem, NoPlan, ScaledCut, solve
-from .offload import NONE, least_offload
+from .offload import NONE
 from .settings import PlanSettings
 
 log = logging.getLogger("fxmem")
@@ -177,11 +177,9 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
     if settings.budgeted:
         saved, lam, final, moved = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
                                                  _layerwise(ctx, must_save, problem))
-    elif settings.offload:  # no cap: the least peak offloading reaches, moving the fewest bytes for it
-        moved, low = least_offload(ctx, saved, None)
-        notes.append(f"offload: {len(moved.nodes)} saved values ({moved.nbytes} bytes) in host memory between the "
-                     f"forward and the backward, the earliest first: simulated peak {low} bytes "
-                     f"(without offload: {ctx.peak(saved)})")
+    elif settings.offload:  # no cap: the least peak the level's recompute and offload reach together
+        saved, lam, final, moved = least_with_offload(ctx, settings, saved, final, must_save, problem, notes,
+                                                      _layerwise(ctx, must_save, problem) if settings.level else [])
     kept = {ctx.root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in ctx.free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
     return Plan(tuple(saved), settings.level, lam, sizes.at(expr), expr, tuple(ctx.clusters), tuple(applied),
