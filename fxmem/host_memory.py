@@ -152,3 +152,19 @@ def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
 @reload.register_fake
 def _(h, device):
     return torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+
+
+def save_on_host():
+    """``torch.autograd.graph.save_on_cpu`` into this pool: every tensor autograd saves in the
+    block is copied to host memory (pinned on CUDA) and back when the backward reads it. The seed
+    documents' manual recipe (with checkpointing), for comparison with planned offload: on a CPU
+    its host copies, like fxmem's, are outside torch's allocator (``save_on_cpu`` itself copies
+    CPU tensors into the allocator, so its "host" bytes would count as device bytes there)."""
+    def pack(t: torch.Tensor):
+        return t.device, torch.ops.fxmem.offload(t)
+
+    def unpack(packed) -> torch.Tensor:
+        device, h = packed
+        return torch.ops.fxmem.reload(h, device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

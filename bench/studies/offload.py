@@ -37,6 +37,7 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 
 import fxmem  # noqa: E402  (registers the backend)
+from fxmem.host_memory import save_on_host  # noqa: E402
 from fxmem.models import Workload, hf_llama  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
 from fxmem.remat import partition  # noqa: E402
@@ -83,19 +84,6 @@ def _without_offload():
         partition.split = split
 
 
-def _host_hooks():
-    """``save_on_cpu``'s hooks (a saved tensor copied to host memory in the forward, back in the
-    backward), into fxmem's host pool so that the allocator does not count the host copies."""
-    def pack(t):
-        return t.device, torch.ops.fxmem.offload(t)
-
-    def unpack(packed):
-        device, h = packed
-        return torch.ops.fxmem.reload(h, device)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
 def _step(w: Workload, model, fn, steps: int, hooks=None) -> dict:
     times, peak = [], None
     for i in range(steps):
@@ -137,7 +125,7 @@ def _seed(w: Workload, steps: int) -> dict:
     ckpt = bool(getattr(model, "supports_gradient_checkpointing", False))
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    r = _step(w, model, model, steps, hooks=_host_hooks)
+    r = _step(w, model, model, steps, hooks=save_on_host)
     r["recipe"] = "HF checkpointing + save_on_cpu" if ckpt else "save_on_cpu (no HF checkpointing for this model)"
     return r
 
