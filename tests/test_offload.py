@@ -210,3 +210,17 @@ def test_offload_option_is_checked():
     with pytest.raises(ValueError, match=r"option 'offload': got 'yes'; allowed: True or False"):
         resolve({"offload": "yes"})
     assert resolve({"offload": True}).memory_first()  # memory over speed, as a budget
+
+
+def test_host_bytes_are_reported_at_any_shape():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(6)])
+    step = torch.compile(model, backend="fxmem", dynamic=True, options={"inner": "eager", "offload": True})
+    step(torch.randn(512, 64)).square().mean().backward()
+    rep = fxmem.report(step)
+    (g,) = rep.graphs
+    assert g.offloaded and rep.host_bytes() == g.host_bytes() == sum(row[2] for row in g.offloaded)
+    (name,) = {n.split(".size")[0] for n in g.symbols.values()}
+    assert rep.host_bytes(**{name: (1024, 64)}) == 2 * rep.host_bytes()  # formulas of the batch
+    again = fxmem.MemoryReport.from_json(rep.to_json())
+    assert again.host_bytes() == rep.host_bytes() and again.graphs[0].offloaded == g.offloaded
