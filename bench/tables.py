@@ -776,14 +776,15 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("<= 0.25", lambda r: "yes" if r["met"] else "no", number=False),
              Column("phase", "phase", number=False), Column("fused loss", "fused_loss", number=False))),)),
     Spec("offload", ("model", "inner", "config"), title=lambda res: "Keep, recompute or offload (issue #58)",
-         note="Exact allocator peak of the last of the steps and the median step time after two warm-up steps "
-              "(`bench/studies/offload.py`), CPU. recompute-only: fxmem memory_budget=0.0 (the least peak recompute "
-              "alone reaches); offload@0.8: peak_budget = 0.8 x that measured peak with offload=True (met: measured "
-              "<= 1.02 x the budget; bitwise: gradients and buffers equal bit for bit to the same plan with the "
-              "offloaded values kept on the device, the next row); offload: offload=True at level 1; seed: the seed "
-              "documents' recipe in eager PyTorch (HF gradient checkpointing where the model supports it, with "
-              "save_on_cpu's hooks). Host copies, fxmem's and the seed's, live in numpy buffers outside torch's "
-              "allocator (fxmem/host_memory.py), so the peak is the device's; host MiB: fxmem's host bytes.",
+         note="Exact allocator peak of the third step, median step time of 5 more steps per configuration taken in "
+              "interleaved rounds (`bench/studies/offload.py`), CPU. recompute-only: fxmem memory_budget=0.0 (the "
+              "least peak recompute alone reaches); offload@0.8: peak_budget = 0.8 x that measured peak with "
+              "offload=True (met: measured <= 1.02 x the budget; bitwise: gradients and buffers equal bit for bit "
+              "to the same plan with the offloaded values kept on the device, the next row); offload: offload=True "
+              "at level 1; seed: the seed documents' recipe in eager PyTorch (HF gradient checkpointing where the "
+              "model supports it, with save_on_cpu's hooks). Host copies, fxmem's and the seed's, live in numpy "
+              "buffers outside torch's allocator (fxmem/host_memory.py), so the peak is the device's; host MiB: "
+              "fxmem's host bytes.",
          tables=(Table("main", (
              Column("model", "model", number=False), Column("inner", "inner", number=False),
              Column("config", "config", number=False), Column("peak MiB", "peak", "mib"),

@@ -4,8 +4,10 @@ the seed's recipe, on three models whose activations dominate their step.
     python bench/studies/offload.py --models bert,llama,resnet --inner eager,inductor
     # writes bench/results/offload.{json,md}
 
-Per model and inner compiler, one run, side by side (exact allocator peaks of the last step,
-step times the median of the steps after two warm-up steps):
+Per model and inner compiler, one run, side by side: exact allocator peaks of the third step (the
+first compiles); step times the median of ``--rounds`` more steps per configuration, taken in
+interleaved rounds (one step of each configuration per round) so that load on the shared machine
+falls on every configuration alike:
 
 - ``recompute-only``: fxmem ``memory_budget=0.0``, the least peak recompute alone reaches;
 - ``offload@0.8``: ``peak_budget`` = 0.8 x that measured peak, ``offload=True``; its gradients
@@ -29,6 +31,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 
@@ -84,83 +87,90 @@ def _without_offload():
         partition.split = split
 
 
-def _step(w: Workload, model, fn, steps: int, hooks=None) -> dict:
-    times, peak = [], None
-    for i in range(steps):
+def _prepared(w: Workload, model, fn, hooks=None) -> tuple[dict, Callable[[], float]]:
+    """Two warm-up steps (the first compiles), then one whose peak, loss, gradients and buffers
+    are kept; and a timer of one more step (timed later, interleaved with the other configurations)."""
+    def one(measure: bool = False):
         for p in model.parameters():
             p.grad = None
         gc.collect()
         torch.manual_seed(1)
-        last = i == steps - 1
-        with step_perf("cpu", memory=last) as perf:
+        with step_perf("cpu", memory=measure) as perf:
             start = time.perf_counter()
             with hooks() if hooks else contextlib.nullcontext():
                 loss = w.loss(fn(**w.batch))
             loss.backward()
-            times.append(time.perf_counter() - start)
-        if last:
-            peak = perf.result.peak_bytes
-    return dict(peak=peak, step_s=statistics.median(times[2:]) if len(times) > 2 else times[-1],
-                loss=float(loss), grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                buffers={n: b.clone() for n, b in model.named_buffers()})
+            seconds = time.perf_counter() - start
+        return loss, perf, seconds
+
+    for _ in range(2):
+        one()
+    loss, perf, _ = one(measure=True)
+    return dict(peak=perf.result.peak_bytes, loss=float(loss),
+                grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                buffers={n: b.clone() for n, b in model.named_buffers()}), lambda: one()[2]
 
 
-def _fxmem(w: Workload, inner: str, options: dict, steps: int, no_offload: bool = False) -> dict:
+def _fxmem(w: Workload, inner: str, options: dict, no_offload: bool = False) -> tuple[dict, Callable[[], float]]:
     torch._dynamo.reset()
     model = copy.deepcopy(w.model)
     fn = torch.compile(model, backend="fxmem", options={"inner": inner, **options})
     same = _without_offload() if no_offload else contextlib.nullcontext()
     with warnings.catch_warnings(record=True) as caught, same:
         warnings.simplefilter("always")
-        r = _step(w, model, fn, steps)
+        r, timer = _prepared(w, model, fn)
     rep = fxmem.report(fn)
-    r.update(predicted=rep.predict_peak(), host=sum(g.host_bytes() for g in rep.graphs),
-             offloaded=sum(len(g.offloaded) for g in rep.graphs),
+    r.update(predicted=rep.predict_peak(), host=rep.host_bytes(), offloaded=sum(len(g.offloaded) for g in rep.graphs),
              warnings=[str(x.message)[:160] for x in caught if "fxmem" in str(x.message)])
-    return r
+    return r, timer
 
 
-def _seed(w: Workload, steps: int) -> dict:
+def _seed(w: Workload) -> tuple[dict, Callable[[], float]]:
     model = copy.deepcopy(w.model)
     ckpt = bool(getattr(model, "supports_gradient_checkpointing", False))
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    r = _step(w, model, model, steps, hooks=save_on_host)
+    r, timer = _prepared(w, model, model, hooks=save_on_host)
     r["recipe"] = "HF checkpointing + save_on_cpu" if ckpt else "save_on_cpu (no HF checkpointing for this model)"
-    return r
+    return r, timer
 
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def measure(name: str, inner: str, steps: int) -> list[dict]:
+def measure(name: str, inner: str, rounds: int) -> list[dict]:
     torch.manual_seed(0)
     w = MODELS[name]()
-    base = dict(model=name, inner=inner)
-    rows = []
+    runs: dict[str, tuple[dict, Callable[[], float], dict]] = {}
 
-    def row(config, r, **extra):
-        out = {**base, "config": config, "peak": r["peak"], "step_s": r["step_s"], "predicted": r.get("predicted"),
-               "host": r.get("host", 0), "offloaded": r.get("offloaded", 0), "loss": r["loss"],
-               "warnings": "; ".join(r.get("warnings", [])), **extra}
+    def add(config, r, timer, **extra):
+        runs[config] = (r, timer, extra)
         print(f"{name} {inner} {config}: peak {r['peak'] / MiB:.1f} MiB, predicted "
-              f"{(r.get('predicted') or 0) / MiB:.1f}, host {out['host'] / MiB:.1f} MiB, step {r['step_s']:.2f} s "
-              f"{extra}", flush=True)
-        rows.append(out)
+              f"{(r.get('predicted') or 0) / MiB:.1f}, host {r.get('host', 0) / MiB:.1f} MiB {extra}", flush=True)
 
-    least = _fxmem(w, inner, {"memory_budget": 0.0}, steps)
-    row("recompute-only", least)
-    cap = int(BUDGET * least["peak"])
-    off = _fxmem(w, inner, {"peak_budget": cap, "offload": True}, steps)
-    same = _fxmem(w, inner, {"peak_budget": cap, "offload": True}, steps, no_offload=True)
-    row("offload@0.8", off, budget=cap, met=off["peak"] <= 1.02 * cap,
+    add("recompute-only", *_fxmem(w, inner, {"memory_budget": 0.0}))
+    cap = int(BUDGET * runs["recompute-only"][0]["peak"])
+    off, off_timer = _fxmem(w, inner, {"peak_budget": cap, "offload": True})
+    same, same_timer = _fxmem(w, inner, {"peak_budget": cap, "offload": True}, no_offload=True)
+    add("offload@0.8", off, off_timer, budget=cap, met=off["peak"] <= 1.02 * cap,
         bitwise=_same(off["grads"], same["grads"]) and _same(off["buffers"], same["buffers"]))
-    row("same plan, no offload", same)
-    row("offload", _fxmem(w, inner, {"level": 1, "offload": True}, steps))
+    add("same plan, no offload", same, same_timer)
+    add("offload", *_fxmem(w, inner, {"level": 1, "offload": True}))
     if inner == "eager":
-        seed = _seed(w, steps)
-        row("seed", seed, recipe=seed["recipe"])
+        seed, timer = _seed(w)
+        add("seed", seed, timer, recipe=seed["recipe"])
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):  # interleaved: the machine's load falls on every configuration alike
+        for config, (_, timer, _) in runs.items():
+            times[config].append(timer())
+    rows = []
+    for config, (r, _, extra) in runs.items():
+        rows.append({"model": name, "inner": inner, "config": config, "peak": r["peak"],
+                     "step_s": statistics.median(times[config]), "predicted": r.get("predicted"),
+                     "host": r.get("host", 0), "offloaded": r.get("offloaded", 0), "loss": r["loss"],
+                     "warnings": "; ".join(r.get("warnings", [])), **extra})
+        print(f"  {config}: median step {rows[-1]['step_s']:.2f} s over {rounds} interleaved rounds", flush=True)
     return rows
 
 
@@ -168,13 +178,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--inner", default="eager,inductor")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed steps per configuration, interleaved")
     ap.add_argument("--name", default="offload")
     args = ap.parse_args()
     rows = []
     for name in args.models.split(","):
         for inner in args.inner.split(","):
-            rows += measure(name, inner, args.steps)
+            rows += measure(name, inner, args.rounds)
     harness.write(args.name, rows, meta=common.metadata(), spec="offload")
 
 
