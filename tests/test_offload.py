@@ -224,3 +224,23 @@ def test_host_bytes_are_reported_at_any_shape():
     assert rep.host_bytes(**{name: (1024, 64)}) == 2 * rep.host_bytes()  # formulas of the batch
     again = fxmem.MemoryReport.from_json(rep.to_json())
     assert again.host_bytes() == rep.host_bytes() and again.graphs[0].offloaded == g.offloaded
+
+
+def test_offload_with_the_optimizer_step_in_the_backward():
+    w = build("hf_llama", batch=2, seq=32, vocab=256, d=32, layers=2, heads=2)
+
+    def train():
+        torch._dynamo.reset()
+        model = copy.deepcopy(w.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        fn = torch.compile(model, backend="fxmem", options={"inner": "eager", "offload": True, "step_in_backward": opt})
+        for _ in range(2):
+            w.loss(fn(**w.batch)).backward()
+        return model, fxmem.report(fn)
+
+    model, rep = train()
+    with _without_offload():
+        kept, _ = train()
+    assert any(g.offloaded for g in rep.graphs) and all(p.grad is None for p in model.parameters())
+    for (n, a), b in zip(model.named_parameters(), kept.parameters()):
+        assert torch.equal(a, b), n
