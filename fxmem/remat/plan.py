@@ -177,8 +177,10 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
     if settings.budgeted:
         saved, lam, final, moved = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
                                                  _layerwise(ctx, must_save, problem))
-    elif settings.offload:  # no cap: the least peak the level's recompute and offload reach together
-        saved, lam, final, moved = least_with_offload(ctx, settings, saved, final, must_save, problem, notes,
+    elif settings.offload:  # no cap: the least peak the level's recompute and offload reach together, from
+        # keeping everything level 0 keeps (offloaded, a layer's values come back one at a time) to the level's plan
+        start = level0 if unruled else saved
+        saved, lam, final, moved = least_with_offload(ctx, settings, start, final | cheap, must_save, problem, notes,
                                                       _layerwise(ctx, must_save, problem) if settings.level else [])
     kept = {ctx.root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in ctx.free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
