@@ -53,7 +53,7 @@ BUDGET = 0.8  # of the least recompute-only peak (issue #58)
 SEED = 0.95  # offload@seed's peak_budget: this much of the seed's recipe's measured peak
 
 
-def resnet(batch=8, size=64, seed=0) -> Workload:
+def resnet(batch=16, size=64, seed=0) -> Workload:
     """An HF ResNet (basic blocks, 4 stages of 2, widths 32-256, BatchNorm in training mode)."""
     from fxmem.testing.zoo import _hf, _images
 
@@ -61,7 +61,7 @@ def resnet(batch=8, size=64, seed=0) -> Workload:
                hidden_sizes=[32, 64, 128, 256], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10)
 
 
-def bert(batch=16, seq=128, d=256, layers=4, heads=4, seed=0) -> Workload:
+def bert(batch=32, seq=128, d=128, layers=4, heads=2, seed=0) -> Workload:
     """A BERT encoder with a sequence-classification head (dropout 0.1 as it ships), at a large batch:
     no vocabulary-sized logits, the encoder's activations are the step."""
     from fxmem.testing.zoo import _hf
@@ -75,7 +75,7 @@ def bert(batch=16, seq=128, d=256, layers=4, heads=4, seed=0) -> Workload:
 
 MODELS = {
     "bert": bert,
-    "llama": lambda: hf_llama(batch=2, seq=256, vocab=8192, d=256, layers=4, heads=4),
+    "llama": lambda: hf_llama(batch=8, seq=256, vocab=4096, d=128, layers=4, heads=2),
     "resnet": resnet,
 }
 
