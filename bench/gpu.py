@@ -542,9 +542,10 @@ def peak_models(dry: bool, scale: float) -> dict[str, tuple[str, dict]]:
             "llama_1b": ("hf_llama", dict(batch=b(8), seq=2048, vocab=32000, d=2048, layers=16, heads=16))}
 
 
-def peak_configs(dry: bool) -> list:
+def peak_configs(dry: bool, offload: bool = True) -> list:
     """bench/configs.py configurations. The dry run swaps Inductor for nop compilers (``mincut_eager``:
-    the same min-cut partitioner and ``activation_memory_budget``) and fxmem's eager inner compiler."""
+    the same min-cut partitioner and ``activation_memory_budget``) and fxmem's eager inner compiler.
+    ``offload=False`` leaves offload's four out (the dry run's second model: CI's time for it)."""
     import configs
 
     tc = "mincut_eager" if dry else "inductor"
@@ -557,8 +558,9 @@ def peak_configs(dry: bool) -> list:
             fx("fxmem peak_budget"),  # its bytes: 0.6 x fxmem default's predicted peak, set when it runs
             # offload (issue #58): recompute's least peak, 0.8 x it with offload, offload's own least
             # peak, and the seed's recipe (HF checkpointing + save_on_cpu) beside them
-            fx("fxmem recompute-only", memory_budget=0.0), fx("fxmem offload@0.8", offload=True),
-            fx("fxmem offload", level=1, offload=True), configs.parse("eager+hf_ckpt+save_on_cpu")]
+            *([fx("fxmem recompute-only", memory_budget=0.0), fx("fxmem offload@0.8", offload=True),
+               fx("fxmem offload", level=1, offload=True), configs.parse("eager+hf_ckpt+save_on_cpu")]
+              if offload else [])]
 
 
 def measure_peak(ctx: Ctx, base, loss_of, batch: dict, cfg) -> dict:
@@ -651,7 +653,7 @@ def peaks_of_model(ctx: Ctx, model_name: str, builder: str, kwargs: dict) -> Non
     shape = f"batch {kwargs['batch']} x seq {kwargs['seq']}, vocab {kwargs['vocab']}, {n_params / 1e6:.0f}M params"
     print(f"[peaks] {model_name}: {shape} (built in {time.perf_counter() - t0:.0f} s)", flush=True)
     eager = predicted_default = least_recompute = None
-    for cfg in peak_configs(ctx.dry):
+    for cfg in peak_configs(ctx.dry, offload=not ctx.dry or model_name == "gpt2_small"):
         if cfg.name == "fxmem peak_budget":
             ref = predicted_default or (eager or {}).get("peak_bytes")
             if not ref:
