@@ -128,6 +128,23 @@ def _hf_ckpt(model, cfg: Config):
     return model
 
 
+def _save_on_cpu(model, cfg: Config):
+    """The seed documents' recipe: HF gradient checkpointing (where the model has it) with every
+    saved tensor in host memory (``fxmem.host_memory.save_on_host``: ``save_on_cpu``'s hooks; pinned
+    buffers on CUDA, buffers outside torch's allocator on a CPU)."""
+    from fxmem.host_memory import save_on_host
+
+    _no_options(cfg)
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def step(*args, **kwargs):
+        with save_on_host():
+            return model(*args, **kwargs)
+
+    return step
+
+
 def _compile(backend: str):
     def build(model, cfg: Config):
         import torch
@@ -249,6 +266,7 @@ def _floor(model, cfg: Config):
 KINDS: dict[str, Callable[[Any, Config], Any]] = {
     "eager": _eager,
     "hf_ckpt": _hf_ckpt,
+    "save_on_cpu": _save_on_cpu,
     "aot_eager": _compile("aot_eager"),
     "aot_eager_plain": _compile("aot_eager_default_partitioner"),
     "mincut_eager": _mincut_eager,
@@ -260,6 +278,8 @@ KINDS: dict[str, Callable[[Any, Config], Any]] = {
 CONFIGS: list[Config] = [
     Config("eager", "eager", description="plain PyTorch, no compile"),
     Config("eager+hf_ckpt", "hf_ckpt", description="HF gradient checkpointing (use_reentrant=False) per layer"),
+    Config("eager+hf_ckpt+save_on_cpu", "save_on_cpu", description="the seed's recipe: HF gradient checkpointing "
+           "with save_on_cpu's hooks (every saved tensor in host memory)"),
     Config("aot_eager", "aot_eager",
            description="torch's aot_eager backend (in torch 2.13 it uses the min-cut partitioner)"),
     Config("aot_eager_plain", "aot_eager_plain",

@@ -14,8 +14,10 @@ Steps, in order (bench/README.md, "The GPU run", has the sizes and the expected 
    a memory budget; loss, every gradient and the generator after the step bit-identical to eager.
 3. ``peaks``: GPT-2 small and a ~1B Llama at real vocabularies under bf16 autocast: eager, HF
    checkpointing, ``torch.compile``, Inductor's ``activation_memory_budget`` 0.5, fxmem default /
-   level 1 / ``peak_budget``: measured peak (``max_memory_allocated``) against fxmem's
-   ``predict_peak``, median step times side by side.
+   level 1 / ``peak_budget``, and offload (issue #58: fxmem ``memory_budget=0.0``, ``peak_budget`` 0.8 x
+   its peak with ``offload``, ``offload`` at level 1, the seed's HF checkpointing + ``save_on_cpu``):
+   measured peak (``max_memory_allocated``) against fxmem's ``predict_peak``, median step times side
+   by side (the host copies' cost and overlap show in the step times).
 4. ``loss``: fused linear cross-entropy at a Gemma-2-like vocabulary (256k x 2304, 8k and 16k
    tokens, bf16): fxmem (Triton and portable), torch's chunked ``F.linear_cross_entropy``,
    Liger-Kernel's and Cut Cross-Entropy's (when installed), against the unfused loss.
@@ -540,9 +542,10 @@ def peak_models(dry: bool, scale: float) -> dict[str, tuple[str, dict]]:
             "llama_1b": ("hf_llama", dict(batch=b(8), seq=2048, vocab=32000, d=2048, layers=16, heads=16))}
 
 
-def peak_configs(dry: bool) -> list:
+def peak_configs(dry: bool, offload: bool = True) -> list:
     """bench/configs.py configurations. The dry run swaps Inductor for nop compilers (``mincut_eager``:
-    the same min-cut partitioner and ``activation_memory_budget``) and fxmem's eager inner compiler."""
+    the same min-cut partitioner and ``activation_memory_budget``) and fxmem's eager inner compiler.
+    ``offload=False`` leaves offload's four out (the dry run's second model: CI's time for it)."""
     import configs
 
     tc = "mincut_eager" if dry else "inductor"
@@ -552,7 +555,12 @@ def peak_configs(dry: bool) -> list:
     # The ones without a compile first, then the most wanted: a model whose time runs out keeps those.
     return [configs.parse("eager"), configs.parse("eager+hf_ckpt"), fx("fxmem default"), configs.parse(tc),
             fx("fxmem level 1", level=1), configs.parse(f"{tc}+budget0.5"),
-            fx("fxmem peak_budget")]  # its bytes: 0.6 x fxmem default's predicted peak, set when it runs
+            fx("fxmem peak_budget"),  # its bytes: 0.6 x fxmem default's predicted peak, set when it runs
+            # offload (issue #58): recompute's least peak, 0.8 x it with offload, offload's own least
+            # peak, and the seed's recipe (HF checkpointing + save_on_cpu) beside them
+            *([fx("fxmem recompute-only", memory_budget=0.0), fx("fxmem offload@0.8", offload=True),
+               fx("fxmem offload", level=1, offload=True), configs.parse("eager+hf_ckpt+save_on_cpu")]
+              if offload else [])]
 
 
 def measure_peak(ctx: Ctx, base, loss_of, batch: dict, cfg) -> dict:
@@ -644,14 +652,20 @@ def peaks_of_model(ctx: Ctx, model_name: str, builder: str, kwargs: dict) -> Non
     n_params = sum(p.numel() for p in base.parameters())
     shape = f"batch {kwargs['batch']} x seq {kwargs['seq']}, vocab {kwargs['vocab']}, {n_params / 1e6:.0f}M params"
     print(f"[peaks] {model_name}: {shape} (built in {time.perf_counter() - t0:.0f} s)", flush=True)
-    eager = predicted_default = None
-    for cfg in peak_configs(ctx.dry):
+    eager = predicted_default = least_recompute = None
+    for cfg in peak_configs(ctx.dry, offload=not ctx.dry or model_name == "gpt2_small"):
         if cfg.name == "fxmem peak_budget":
             ref = predicted_default or (eager or {}).get("peak_bytes")
             if not ref:
                 ctx.add("peaks", cfg.name, "skipped: no fxmem default or eager peak to set it from", model=model_name)
                 continue
             cfg = configs.Config(cfg.name, "fxmem", {**cfg.options, "peak_budget": int(0.6 * ref)}, cfg.description)
+        if cfg.name == "fxmem offload@0.8":
+            if not least_recompute:
+                ctx.add("peaks", cfg.name, "skipped: no fxmem recompute-only peak to set it from", model=model_name)
+                continue
+            cfg = configs.Config(cfg.name, "fxmem", {**cfg.options, "peak_budget": int(0.8 * least_recompute)},
+                                 cfg.description)
         t0 = time.perf_counter()
         status, res = ctx.limits.guarded(90 if ctx.dry else 150, f"{model_name} {cfg.name}",
                                          lambda cfg=cfg: measure_peak(ctx, base, w.loss, batch, cfg))
@@ -666,6 +680,8 @@ def peaks_of_model(ctx: Ctx, model_name: str, builder: str, kwargs: dict) -> Non
             eager = row
         if status == "ok" and cfg.name == "fxmem default":
             predicted_default = row.get("predicted_bytes")
+        if status == "ok" and cfg.name == "fxmem recompute-only":
+            least_recompute = row["peak_bytes"]
         if status == "ok" and eager:
             row["peak_vs_eager"] = row["peak_bytes"] / eager["peak_bytes"] if eager["peak_bytes"] else None
             row["time_vs_eager"] = row["step_ms"] / eager["step_ms"]

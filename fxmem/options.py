@@ -113,6 +113,10 @@ class Options:
     # A torch.optim optimizer whose step runs in the backward, one parameter at a time, as each
     # gradient is final (fxmem/step_in_backward.py): held as its runtime, ``InBackward``.
     step_in_backward: Any = None
+    # Saved activations may be moved to host memory between the forward and the backward where
+    # that meets a budget at less modelled time than recomputing (fxmem/remat/offload.py); without
+    # a budget, the least peak that offloading reaches (fxmem/host_memory.py runs the copies).
+    offload: bool = False
 
     def inductor_layout(self) -> bool | None:
         """Whether Inductor may change a conv graph's layouts (``layout_optimization``): the
@@ -125,8 +129,9 @@ class Options:
         return False if self.memory_first() else None
 
     def memory_first(self) -> bool:
-        """The options ask for memory over speed: level >= 1 or a budget."""
-        return self.level >= 1 or any(v is not None for v in (self.memory_budget, self.peak_budget, self.fit))
+        """The options ask for memory over speed: level >= 1, a budget, or offload."""
+        return self.level >= 1 or self.offload or any(
+            v is not None for v in (self.memory_budget, self.peak_budget, self.fit))
 
     def inductor_config(self) -> dict[str, Any]:
         """Inductor config patches for fxmem's compiles: ``layout_optimization`` as
@@ -361,6 +366,7 @@ _PARSERS = {
     "report_path": _parse_report_path,
     "strict": lambda v: _bool("strict", v),
     "step_in_backward": check_optimizer,
+    "offload": lambda v: _bool("offload", v),
 }
 
 

@@ -51,7 +51,11 @@ def test_the_dry_run_covers_every_step_and_writes_its_results(tmp_path):
     lce = next(r for r in rows if r["item"] == "linear_cross_entropy mean" and r["dtype"] == "float32")
     assert lce["paths"] == "triton (interpreter)+torch" and lce["vmap"] <= 1
     peaks = [r for r in rows if r["step"] == "peaks" and r["status"] == "ok"]
-    assert {r["model"] for r in peaks} == {"gpt2_small", "llama_1b"} and len(peaks) == 14
+    assert {r["model"] for r in peaks} == {"gpt2_small", "llama_1b"} and len(peaks) == 18
+    for model in ("gpt2_small",):  # offload's rows (the dry run's first model): 0.8 x recompute's least peak
+        least = next(r for r in peaks if r["model"] == model and r["item"] == "fxmem recompute-only")
+        offload = next(r for r in peaks if r["model"] == model and r["item"] == "fxmem offload@0.8")
+        assert offload["options"]["peak_budget"] == int(0.8 * least["peak_bytes"]) and offload["options"]["offload"]
     assert all(r["predicted_bytes"] > 0 for r in peaks if r["item"].startswith("fxmem"))
     assert "## 5. DP-SGD" in run.stdout  # the table, printed at the end
     assert wall < 180, f"the dry run took {wall:.0f} s (CI's limit for it: 3 minutes)"

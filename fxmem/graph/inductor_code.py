@@ -13,6 +13,7 @@ source_code``), so the report reads Inductor's schedule from there:
   above the call; Inductor does not print it), else of its first floating-point argument;
 - ``a = b`` and ``a = reinterpret_tensor(b, ...)``: another name for ``b``'s storage;
 - ``del name``: one name fewer; the storage is freed when no name is left;
+- ``buf = torch.ops.fxmem.offload.default(x)``: a copy in host memory, no device bytes;
 - the inputs: ``counted`` ones (a backward's kept values and incoming gradients) exist when the
   graph starts and are freed at their ``del``; the others (parameters, the batch) are not counted;
 - an extern kernel's own buffers, allocated and freed around the call: a CPU convolution's
@@ -348,6 +349,8 @@ class _Reader:
                         self.dtype.setdefault(name, self.dtype.get(value.args[0].id))
                         if all(isinstance(t, ast.Tuple) for t in value.args[1:3]):
                             self.layout[name] = tuple([self.expr(e) for e in t.elts] for t in value.args[1:3])
+                elif func.endswith("fxmem.offload.default"):  # a host copy (``fxmem.host_memory``): no device bytes
+                    return
                 elif not any(k.arg == "out" for k in value.keywords):  # an extern kernel's own output
                     self.pending[name] = self.tuples[name] = (self.produced(func, value), len(self.events))
                     self.events.append(("outputs", name, []))

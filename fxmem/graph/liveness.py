@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_with_rng_state
 
+from ..host_memory import OFFLOAD_TAG
 from .inplace import WRITES_INTO_FIRST
 from .scratch import scratch_bytes
 from .sizes import SymbolicSizes, tensor_bytes
@@ -113,6 +114,8 @@ class NodeFacts:
         # an op returning several -> every getitem of its outputs (each owns its storage)
         self.getitems = {n: [u for u in n.users if u.target is operator.getitem] for n in nodes if elements(n)}
         self.replays = {n for n in nodes if n.op == "call_function" and n.target is run_with_rng_state}
+        # values in host memory (an offloaded activation, ``fxmem.host_memory``): no device bytes
+        self.host = {n for n in nodes if n.meta.get(OFFLOAD_TAG)}
 
 
 class Formulas:
@@ -161,7 +164,7 @@ Reuse = Callable[[list, dict, dict, dict, set], Mapping[fx.Node, tuple]]
 def walk(inputs: Sequence[fx.Node], body: Sequence[fx.Node], outputs: Iterable, nbytes: Formulas | AtShape,
          facts: NodeFacts, *, counted: Collection[fx.Node] = (),
          shared: Mapping[fx.Node, tuple[fx.Node, fx.Node]] | None = None, reuse: Reuse | None = None,
-         states: Collection[fx.Node] = ()) -> list[Event]:
+         states: Collection[fx.Node] = (), reloaded: Collection[fx.Node] = ()) -> list[Event]:
     """A graph's allocations and frees in execution order.
 
     ``inputs``: what exists when the graph starts; ``counted`` ones are allocated then (the
@@ -172,9 +175,12 @@ def walk(inputs: Sequence[fx.Node], body: Sequence[fx.Node], outputs: Iterable, 
     buffer reuse, ``(body, root, last, pos, ran) -> {node: (argument it writes into, ...)}``
     (``graph.reuse.dead_writes``). ``states``: generator states bound to their random op (the
     forward's ``run_and_save_rng_state``): drawn at the op, after its dead inputs are freed.
+    ``reloaded``: inputs held in host memory, copied back just before their first read
+    (``fxmem::reload``, where the split places it): allocated there, not when the graph starts.
+    Nodes of ``facts.host`` (an offload's host copy) allocate no device bytes.
     """
     shared = shared or {}
-    ran = set(body)
+    ran = set(body) | set(reloaded)  # a reloaded value is the graph's own: an op may write into it
     pos = {n: i for i, n in enumerate([*inputs, *body])}
     end = len(pos)
     outputs = [o for o in outputs if isinstance(o, fx.Node)]
@@ -217,19 +223,24 @@ def walk(inputs: Sequence[fx.Node], body: Sequence[fx.Node], outputs: Iterable, 
         for name, b in frees.pop(p, ()):
             events.append(("free", name, b))
 
+    waiting = set(reloaded)
     for n in inputs:
-        if n in counted and root[n] is n:
+        if n in counted and root[n] is n and n not in waiting and n not in facts.host:
             allocate(n.name, nbytes.value(shared[n][1] if n in shared else n), last.get(n, pos[n]))
         free(pos[n])
     for n in body:
         p = pos[n]
+        for a in reads[n] if waiting else ():
+            if a in waiting:  # copied back from host memory just before this first read
+                waiting.discard(a)
+                allocate(a.name, nbytes.value(a), last.get(root[a], p))
         if n in facts.replays and n.args[0] in states:  # the op hands out its state: drawn after
             free(p)  # its dead inputs are freed, alive to the end
             allocate(n.args[0].name, nbytes.value(n.args[0]), end)
         if n.op != "call_function":
             free(p)
             continue
-        if root[n] is n and n not in facts.early:
+        if root[n] is n and n not in facts.early and n not in facts.host:
             if n in facts.several:  # an op returning several: the getitems own their outputs
                 taken = {}
                 for u in facts.getitems.get(n, ()):

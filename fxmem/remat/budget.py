@@ -26,38 +26,27 @@ walk, adds those. Only candidates that no other beats on both bytes and recomput
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch.fx as fx
 
 from ..options import OptionError
 from ..warn import warn
+from .candidate import SLACK, Candidate
 from .context import PlanContext
 from .mincut import CutProblem, frontier, saved_bytes
+from .offload import NONE, Offloaded, cheapest_with_offload, least_offload, least_peak_with_offload, to_bytes
 from .settings import PlanSettings
 from .split import Walk
 
 LAM_LO, LAM_HI = 1e-9, 1e4
 STEPS = 8
 SIMULATED = 64  # candidates simulated, about (the frontier's cuts and layerwise plans besides)
-SLACK = 1e-4  # simulated peaks this close count as equal (a scalar, a rounding)
 
 
 class BudgetError(OptionError):
     pass
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One plan a budget may choose: what it keeps, the recompute weight of the cut it came from
-    (reported only), its saved bytes and recompute cost, and its simulated step peak (None until
-    simulated). Every candidate strategy below returns saved sets that become these."""
-    saved: tuple[fx.Node, ...]
-    lam: float
-    nbytes: int
-    cost: float
-    peak: int | None = None
 
 
 def _cost(walk: Walk, p: CutProblem, saved) -> float:
@@ -235,9 +224,13 @@ def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Nod
 
 def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node],
                   recomputable: set[fx.Node], keep: set[fx.Node], problem: Callable[[frozenset], CutProblem],
-                  notes: list[str], layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node]]:
-    """(saved set, recompute weight, recomputable set) for ``settings.memory_budget`` or
-    ``settings.peak_budget``, chosen among the :func:`candidates`; never refused.
+                  notes: list[str], layerwise: list[list[fx.Node]] = ()
+                  ) -> tuple[list[fx.Node], float, set[fx.Node], Offloaded]:
+    """(saved set, recompute weight, recomputable set, what goes to host memory) for
+    ``settings.memory_budget`` or ``settings.peak_budget``, chosen among the :func:`candidates`;
+    never refused. With ``settings.offload``, a cap is met by keeping, recomputing and offloading
+    at the least modelled time (``offload.cheapest_with_offload``; a memory budget no recompute
+    plan meets: the least peak's plan with its earliest values offloaded to the cap).
 
     ``recomputable``: cheap ops anywhere, heavy ones inside layers (a model's head, e.g. the
     vocabulary projection, is needed first thing in the backward: recomputing it saves nothing
@@ -258,12 +251,22 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
     cap = int(budget * level_bytes) if isinstance(budget, float) else budget
     scored, how = candidates(ctx, saved0, recomp, p, layerwise)
     lowest, least = min(scored, key=_least_peak), min(c.nbytes for c in scored)
+    moved = NONE
     if settings.peak_budget is not None:
         chosen, what = _cheapest_under(scored, settings.peak_budget), f"peak budget {settings.peak_budget} bytes"
+        if settings.offload:
+            found = cheapest_with_offload(ctx, scored, settings.peak_budget)
+            if found is None:
+                moved, low = least_offload(ctx, lowest.saved, None)
+                lowest, chosen = replace(lowest, peak=low), None
+            else:
+                chosen, moved = found
+                chosen = replace(chosen, peak=ctx.peak(chosen.saved, frozenset(moved.nodes)))
         if chosen is None:
             _unmet(settings, f"fxmem peak_budget={settings.peak_budget:,} bytes is below every plan's step peak",
                    f"option 'peak_budget': {settings.peak_budget!r} bytes is below every plan's simulated "
-                            f"step peak; the least is {lowest.peak} bytes among {how}", lowest, notes)
+                            f"step peak{' (with offload)' if settings.offload else ''}; the least is {lowest.peak} "
+                            f"bytes among {how}", lowest, notes)
     else:
         chosen, ceiling = _choose(scored, cap)
         what = f"memory budget {cap} bytes"
@@ -274,6 +277,12 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
         elif chosen is None or isinstance(budget, float) and chosen.peak > ceiling * (1 + SLACK):
             # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
             # peak) only plans that peak higher than a higher fraction's
+            if settings.offload:  # the least peak's plan, its earliest values in host memory to the cap
+                chosen, moved = lowest, to_bytes(ctx, lowest, cap)
+                chosen = replace(chosen, peak=ctx.peak(chosen.saved, frozenset(moved.nodes)))
+                if chosen.nbytes - moved.nbytes <= cap:
+                    notes.append(f"{what}: met with offload ({moved.nbytes} bytes in host memory)")
+                    return _chosen(ctx, settings, chosen, moved, what, level_bytes, how, recomp, notes)
             _unmet(settings, f"fxmem memory_budget={budget!r} is infeasible (the least is {met:,} bytes)",
                    f"option 'memory_budget': {budget!r} ({cap} bytes of saved activations) is infeasible; "
                             f"the smallest feasible budget is {met} bytes ({met / max(level_bytes, 1):.3f} of "
@@ -290,11 +299,32 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
             warn(f"fxmem memory_budget={budget!r} is met only at a higher peak ({chosen.peak:,} bytes, not "
                  f"{ceiling:,}); memory_budget=0.0 asks for the least peak", detail=msg)
             notes.append(msg)
-    chosen = chosen or lowest
-    notes.append(f"{what}: saved {chosen.nbytes} bytes (level {settings.level} alone: {level_bytes}), simulated peak "
-                 f"{chosen.peak} bytes, recompute cost {chosen.cost:.4g}, recompute weight {chosen.lam:.3g}; "
-                 f"chosen among {how}")
-    return list(chosen.saved), chosen.lam, recomp | ctx.walk(chosen.saved)
+    return _chosen(ctx, settings, chosen or lowest, moved, what, level_bytes, how, recomp, notes)
+
+
+def _chosen(ctx: PlanContext, settings: PlanSettings, chosen: Candidate, moved: Offloaded, what: str,
+            level_bytes: int, how: str, recomp: set[fx.Node], notes: list[str]):
+    host = f", {moved.nbytes} of them in host memory ({len(moved.nodes)} values)" if moved.nodes else ""
+    notes.append(f"{what}: saved {chosen.nbytes} bytes{host} (level {settings.level} alone: {level_bytes}), "
+                 f"simulated peak {chosen.peak} bytes, recompute cost {chosen.cost:.4g}, recompute weight "
+                 f"{chosen.lam:.3g}; chosen among {how}")
+    return list(chosen.saved), chosen.lam, recomp | ctx.walk(chosen.saved), moved
+
+
+
+def least_with_offload(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node], recomputable: set[fx.Node],
+                       keep: set[fx.Node], problem: Callable[[frozenset], CutProblem], notes: list[str],
+                       layerwise: list[list[fx.Node]] = ()) -> tuple[list[fx.Node], float, set[fx.Node], Offloaded]:
+    """``offload`` without a budget: (saved set, recompute weight, recomputable set, offloaded) of
+    the least simulated peak that keeping, recomputing what the level may (``recomputable``) and
+    offloading reach, at the least modelled time (``offload.least_peak_with_offload``)."""
+    recomp = recomputable - keep
+    p = problem(frozenset(recomp))
+    scored, how = candidates(ctx, saved0, recomp, p, layerwise)
+    chosen, moved, peak = least_peak_with_offload(ctx, scored)
+    what = f"level {settings.level} with offload (the least peak, then the least modelled time)"
+    return _chosen(ctx, settings, replace(chosen, peak=peak), moved, what, saved_bytes(p, saved0), how, recomp,
+                   notes)
 
 
 def _least_peak(c: Candidate) -> tuple:

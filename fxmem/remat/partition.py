@@ -124,7 +124,7 @@ def _attempt(gm: fx.GraphModule | None, num_fwd_outputs: int, settings: PlanSett
 def candidate_peak(planned: tuple) -> int:
     """The simulated step peak of a planned candidate (:func:`_planned`'s result)."""
     _, _, chosen, ctx = planned
-    return ctx.peak(chosen.saved)
+    return ctx.peak(chosen.saved, frozenset(chosen.offloaded))
 
 
 def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, compared: Compared):
@@ -201,7 +201,7 @@ class Partitioner(CustomPartitionerFn):
         log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
                   chosen.level, len(chosen.saved), chosen.saved_bytes)
         try:
-            result = split(joint, chosen.saved, settings.target.input_views)
+            result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded)
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)

@@ -13,11 +13,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..graph.joint import READS_MUTATED, JointGraph, is_multi_output, is_sym
 from ..warn import brief, warn
 from .allowlist import CHEAP, HEAVY, kind
-from .budget import Candidate, candidate_of, least_peak, within_budget
+from .budget import Candidate, candidate_of, least_peak, least_with_offload, within_budget
 from .clusters import Cluster
 from .context import PlanContext
 from .layers import every_kth
 from .mincut import CutProblem, NoPlan, ScaledCut, solve
+from .offload import NONE
 from .settings import PlanSettings
 
 log = logging.getLogger("fxmem")
@@ -41,6 +42,8 @@ class Plan:
     problem: CutProblem | None = field(default=None, compare=False, repr=False)  # for frontiers
     plain_bytes: int = 0  # what a plain partition (no recompute) keeps, at the plan shape
     level0_bytes: int = 0  # what level 0 without rules or budget keeps
+    offloaded: tuple[fx.Node, ...] = ()  # of ``saved``: handed to the backward in host memory (``offload``)
+    host_bytes: int = 0  # their bytes at the plan shape (part of ``saved_bytes``, none of them on the device)
 
     def frontier(self, lams=tuple(10.0 ** k for k in range(-9, 5))) -> list[tuple[int, float, float]]:
         """(saved bytes, recompute cost, lambda) of the cheapest cut at each recompute weight."""
@@ -170,14 +173,20 @@ def plan(ctx: PlanContext, settings: PlanSettings) -> Plan:
                                         problem, notes)
     elif settings.level > 0 and unruled and (not ctx.layer or ctx.peak(saved) >= ctx.peak(level0)):
         saved, final = level0, cheap  # a budget starts from level 0's plan and chooses below
+    moved = NONE
     if settings.budgeted:
-        saved, lam, final = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
-                                          _layerwise(ctx, must_save, problem))
+        saved, lam, final, moved = within_budget(ctx, settings, saved, final | heavy, must_save, problem, notes,
+                                                 _layerwise(ctx, must_save, problem))
+    elif settings.offload:  # no cap: the least peak the level's recompute and offload reach together, from
+        # keeping everything level 0 keeps (offloaded, a layer's values come back one at a time) to the level's plan
+        start = level0 if unruled else saved
+        saved, lam, final, moved = least_with_offload(ctx, settings, start, final | cheap, must_save, problem, notes,
+                                                      _layerwise(ctx, must_save, problem) if settings.level else [])
     kept = {ctx.root[n] for n in saved if n.op != "placeholder" and not is_sym(n) and n not in ctx.free}
     expr = sympy.Add(*[sizes.nbytes(n) for n in kept], sympy.Integer(0))
     return Plan(tuple(saved), settings.level, lam, sizes.at(expr), expr, tuple(ctx.clusters), tuple(applied),
                 tuple(notes), CutProblem(joint, nbytes, cost, frozenset(final), frozenset(no_save)),
-                _bytes(ctx.stashed, nbytes), _bytes(level0, nbytes))
+                _bytes(ctx.stashed, nbytes), _bytes(level0, nbytes), moved.nodes, moved.nbytes)
 
 
 def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node], own: tuple,

@@ -51,8 +51,9 @@ class Target:
             reuse_dead_buffers(split.fw)
             reuse_dead_buffers(split.bw)
             return split.fw, split.bw
-        return random_in_order(split.fw), for_inductor(split.bw, {n.name for n in split.recomputed},
-                                                       weight_gradients=memory_first)
+        # a reload runs where the split put it, as a recompute entry does
+        late = {n.name for n in (*split.recomputed, *split.offloaded)}
+        return random_in_order(split.fw), for_inductor(split.bw, late, weight_gradients=memory_first)
 
 
 EAGER = Target("eager", reuses_buffers=True, input_views=True, exact_peak=True)
@@ -72,6 +73,7 @@ class PlanSettings:
     target: Target = INDUCTOR
     # graph inputs whose gradient the optimizer takes where it is made (``step_in_backward``)
     in_backward: frozenset[int] = frozenset()
+    offload: bool = False  # saved values may go to host memory (``remat.offload``)
 
     @classmethod
     def of(cls, options: Options, *, inner: str | None = None, budgets: bool = True,
@@ -83,7 +85,8 @@ class PlanSettings:
         peak = fit_budget if options.fit is not None else options.peak_budget
         shape = options.plan_shape if plan_shape is None else plan_shape
         return cls(options.level, options.config, options.memory_budget if budgets else None,
-                   peak if budgets else None, options.strict, shape, TARGETS[inner or options.inner])
+                   peak if budgets else None, options.strict, shape, TARGETS[inner or options.inner],
+                   offload=options.offload and budgets)
 
     @property
     def budgeted(self) -> bool:
@@ -91,11 +94,11 @@ class PlanSettings:
 
     @property
     def memory_first(self) -> bool:
-        """Memory over speed: level >= 1 or a budget (``Options.memory_first``)."""
-        return self.level >= 1 or self.budgeted
+        """Memory over speed: level >= 1, a budget or offload (``Options.memory_first``)."""
+        return self.level >= 1 or self.budgeted or self.offload
 
     def key(self) -> str:
         """A stable string of every setting: goes into Inductor's cache key."""
         return repr((self.level, self.config, self.memory_budget, self.peak_budget, self.strict,
                      None if self.plan_shape is None else sorted(self.plan_shape.items()), self.target.name,
-                     sorted(self.in_backward)))
+                     sorted(self.in_backward), self.offload))

@@ -10,13 +10,15 @@ returns ``(*fwd_outputs, *saved_tensors, *saved_symints)`` and the backward take
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
+import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
 from ..graph.module import graph_module
+from ..host_memory import OFFLOAD_TAG
 from .allowlist import is_view
 from .replay import bind_states
 
@@ -32,6 +34,7 @@ class Split:
     saved: tuple[fx.Node, ...]  # joint-graph nodes the forward hands to the backward (tensors)
     saved_syms: tuple[fx.Node, ...]
     recomputed: tuple[fx.Node, ...]  # forward-side joint nodes that the backward runs again
+    offloaded: tuple[fx.Node, ...] = ()  # of ``saved``: handed over in host memory (``fxmem.host_memory``)
 
 
 def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> list[fx.Node]:
@@ -59,21 +62,52 @@ def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> 
     return order
 
 
+def _host_meta(node: fx.Node) -> dict:
+    """``node``'s meta for its copy in host memory: the value on the CPU, tagged host."""
+    val = node.meta["val"]
+    with val.fake_mode:
+        host = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
+    return {**node.meta, "val": host, OFFLOAD_TAG: True}
+
+
 def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
-             late: set[fx.Node] = frozenset(), effects: tuple[fx.Node, ...] = ()) -> fx.GraphModule:
+             late: set[fx.Node] = frozenset(), effects: tuple[fx.Node, ...] = (),
+             host: frozenset[fx.Node] = frozenset()) -> fx.GraphModule:
     """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``, running
-    ``effects`` (mutations that reach no output) too."""
+    ``effects`` (mutations that reach no output) too. ``host``: outputs returned in host memory
+    (``fxmem::offload`` right after the value is made: its device storage dies at its last read
+    here), or inputs taken in host memory (``fxmem::reload`` just before the first read)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    held: dict[fx.Node, fx.Node] = {}  # input -> its host placeholder, until reloaded
     for node in inputs:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = node.meta
+        if node in host:
+            held[node] = graph.placeholder(f"{node.name}_host")
+            held[node].meta = _host_meta(node)
+        else:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = node.meta
+
+    def value(n: fx.Node) -> fx.Node:
+        if n not in env and n in held:  # the first read: copied back here
+            val = n.meta["val"]
+            env[n] = graph.create_node("call_function", torch.ops.fxmem.reload.default, (held[n], val.device),
+                                       name=n.name)
+            env[n].meta = dict(n.meta)
+        return env[n]
+
     needed = ancestors([*outputs, *effects], stop=set(inputs)) - set(inputs)
     for node in late_order(gm, needed, late):
         if node.op == "placeholder":
             raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+        env[node] = graph.node_copy(node, value)
+    for node in [o for o in outputs if isinstance(o, fx.Node) and o in host and o not in held]:
+        with graph.inserting_after(env[node]):
+            copy = graph.create_node("call_function", torch.ops.fxmem.offload.default, (env[node],),
+                                     name=f"{node.name}_host")
+        copy.meta = _host_meta(node)
+        env[node] = copy
+    out = graph.output(tuple(value(o) if isinstance(o, fx.Node) else o for o in outputs))
     if descs is not None:
         out.meta["desc"] = descs
     graph.lint()
@@ -195,10 +229,12 @@ def input_view_bases(joint: JointGraph, saved: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: bool = True) -> Split:
+def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: bool = True,
+          offloaded: Collection[fx.Node] = ()) -> Split:
     """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
     ``input_views=False``: views of graph inputs are redone in the backward from the input
-    (:func:`input_view_bases`).
+    (:func:`input_view_bases`). ``offloaded``: saved values handed over in host memory
+    (``fxmem.host_memory``; each must be one the split hands over: a forward op's own storage).
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
@@ -217,12 +253,19 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: b
 
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 
+    host = frozenset(offloaded)
+    if not host <= set(tensors) or host & set(joint.fwd_outputs):
+        bad = sorted(n.name for n in host if n not in tensors or n in joint.fwd_outputs)
+        raise InvalidSavedSet(f"offloaded values that the split does not hand over (or that the forward returns): "
+                              f"{', '.join(bad)}")
     descs = _output_descs(joint.gm)
     n_fwd = len(joint.fwd_outputs)
     n_saved = len(tensors) + len(syms_sorted)
     fw = _extract(joint.gm, list(joint.primals), [*joint.fwd_outputs, *tensors, *syms_sorted],
-                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)], effects=joint.fwd_mutations)
+                  descs[:n_fwd] + [SavedForBackwardsAOTOutput(i) for i in range(n_saved)], effects=joint.fwd_mutations,
+                  host=host)
     bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
-                  late=set(recomputed), effects=joint.bwd_mutations)
-    return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed))
+                  late=set(recomputed), effects=joint.bwd_mutations, host=host)
+    return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed),
+                 tuple(n for n in tensors if n in host))

@@ -46,16 +46,20 @@ class StepPeak:
         writes = {n: candidates(n) for n in nodes} if candidates is not None else {}
         self._reuse = partial(dead_writes, candidates=writes.__getitem__) if candidates is not None else None
 
-    def __call__(self, saved) -> int:
-        return max(self._phases(saved, fused=False))
+    def __call__(self, saved, offloaded=frozenset()) -> int:
+        """``offloaded``: of the saved values, those handed over in host memory (``split``'s)."""
+        return max(self._phases(saved, fused=False, offloaded=offloaded))
 
-    def fused(self, saved) -> int:
+    def fused(self, saved, offloaded=frozenset()) -> int:
         """The step peak of keeping ``saved`` with Inductor's fusion modeled (``.fusion``): ops
         never stored are not allocated. Ranks plans whose :meth:`__call__` peaks tie."""
-        return max(self._phases(saved, fused=True))
+        return max(self._phases(saved, fused=True, offloaded=offloaded))
 
-    def _phases(self, saved, fused: bool) -> tuple[int, int]:
-        """(forward peak, backward peak) of keeping ``saved``."""
+    def _phases(self, saved, fused: bool, offloaded=frozenset()) -> tuple[int, int]:
+        """(forward peak, backward peak) of keeping ``saved``, ``offloaded`` of it in host memory:
+        the forward does not return those (the split's offload runs right after each is made, so
+        its device storage dies at its last forward read, as here), the backward allocates each
+        at its first read (where the split's reload runs)."""
         joint = self.joint
         recomputed, tensors, syms_sorted = handoff(joint, set(saved), self.pos, self._symbols.__getitem__,
                                                    self.bindings)
@@ -67,7 +71,8 @@ class StepPeak:
         states = {n for n in tensors if n.op == "call_function" and n.target is generator_state}
         fw_body = [n for n in fw_body if not (n.op == "call_function" and n.target is generator_state)]
         fw_body, fw_facts = self._fused(fw_body, fw_out) if fused else (fw_body, self._facts)
-        fw = walk(primals, fw_body, fw_out, self._bytes, fw_facts, reuse=self._reuse, states=states)
+        fw_kept = [o for o in fw_out if o not in offloaded] if offloaded else fw_out
+        fw = walk(primals, fw_body, fw_kept, self._bytes, fw_facts, reuse=self._reuse, states=states)
         bw_in = [*syms_sorted, *tensors, *joint.tangents]
         stop = set(bw_in)
         bw_body = late_order(joint.gm, ancestors(list(joint.bwd_outputs), stop=stop) - stop, set(recomputed))
@@ -76,7 +81,8 @@ class StepPeak:
         shared = {n: (first.setdefault(self._storage[n], n), self._storage[n]) for n in tensors
                   if self._storage[n].op != "placeholder"}
         bw = walk(bw_in, bw_body, self._returned, self._bytes, bw_facts,
-                  counted={n for n in bw_in if n.name not in self.names}, shared=shared, reuse=self._reuse)
+                  counted={n for n in bw_in if n.name not in self.names}, shared=shared, reuse=self._reuse,
+                  reloaded=offloaded)
         return peak_bytes(fw), peak_bytes(bw)
 
     def _fused(self, body: list, outputs) -> tuple[list, NodeFacts]:

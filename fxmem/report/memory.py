@@ -33,8 +33,12 @@ SCHEMA_VERSION = 1
 def _values_where_named(g: GraphReport, shapes: Mapping[str, Any]) -> dict[str, int]:
     """``g.values_at`` for the shapes naming ``g``'s inputs (one graph of a step need not take
     every input of the step)."""
-    names = g.inputs() | set(g.symbols)
-    return g.values_at(**{k: v for k, v in shapes.items() if k in names})
+    return g.values_at(**{k: v for k, v in shapes.items() if k in _names(g)})
+
+
+def _names(g: GraphReport) -> set[str]:
+    """The input names (and raw symbols) shapes may name for ``g``."""
+    return g.inputs() | set(g.symbols)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,14 @@ class MemoryReport:
         order = self.step or [len(self.graphs) - 1]
         parts = {i: Phases.of(self.graphs[i], values_of(self.graphs[i])) for i in set(order)}
         return chained_peak([parts[i] for i in order])
+
+    def host_bytes(self, **shapes: Any) -> int:
+        """Host bytes a step holds at the given input shapes: the saved values its graphs hand to
+        the backward in host memory (``offload``), every graph run of the step counted (each run's
+        values wait for its own backward). Not in ``predict_peak``, which counts device bytes."""
+        order = self.step or [len(self.graphs) - 1]
+        return sum(self.graphs[i].host_bytes(**{k: v for k, v in shapes.items()
+                                                if k in _names(self.graphs[i])}) for i in order)
 
     def peak_breakdown(self, **shapes: Any) -> dict:
         """Tensors alive at the predicted peak at the given input shapes (latest graph); see

@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 import sympy
+import torch
 
 from ..graph.liveness import Event, evaluate, peak, step_schedules, storage_roots
 from ..options import OPTIMIZER_STATE
@@ -130,6 +131,10 @@ class GraphReport:
     # raw symbol -> the other input dimensions it stands for (Dynamo gives equal sizes one
     # symbol: ``labels.size(1)`` may be ``input_ids.size(1)``'s); shapes may name any of them
     aliases: dict[str, list[str]] = field(default_factory=dict)
+    # ``offload``: the kept values handed to the backward in host memory, one row each:
+    # [value name, module, bytes at the compiled shape, bytes formula (raw symbols), the backward
+    # op before which it is copied back]. Their bytes are in ``saved_bytes``, not in the schedules.
+    offloaded: list[list] = field(default_factory=list)
 
     def dims(self, sym: str) -> list[str]:
         """Every input dimension the raw symbol ``sym`` stands for, its readable name first."""
@@ -139,6 +144,11 @@ class GraphReport:
         """The names of the inputs with a dimension in this graph's formulas or specialized."""
         return {n.split(".size(")[0] for s in self.symbols for n in self.dims(s)} | \
             {n.split(".size(")[0] for n in self.static_dims}
+
+    def host_bytes(self, **shapes: Any) -> int:
+        """Host bytes the offloaded values take at the given shapes (the compiled one by default)."""
+        values = self.values_at(**shapes)
+        return sum(evaluate(sympy.sympify(row[3]), values) for row in self.offloaded)
 
     def with_names(self, positional: list[str]) -> "GraphReport":
         """This report with inputs Dynamo named ``args[i]`` (a module called positionally) named
@@ -276,7 +286,19 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         static_dims=dict(static_dims or {}), model_bytes=model_bytes[0], trainable_bytes=model_bytes[1],
         modules=by_module(owner, kept, recomputed), owners={k: v for k, v in owner.items() if k in scheduled},
         forward_cost=float(sum(cost.values())), crossing=crossing, in_backward=list(in_backward),
+        offloaded=_offloaded(split, sizes, owner),
     )
+
+
+def _offloaded(split, sizes, owner: dict[str, str]) -> list[list]:
+    """``GraphReport.offloaded``'s rows: each value in host memory, its module, bytes, and the
+    backward op its reload runs before."""
+    reader = {}
+    for n in split.bw.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.fxmem.reload.default:
+            reader[n.name] = next(iter(n.users)).name if n.users else "?"
+    return [[n.name, owner.get(n.name, TOP), sizes.at(sizes.nbytes(n)), str(sizes.nbytes(n)), reader.get(n.name, "?")]
+            for n in split.offloaded]
 
 
 def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, sympy.Expr]:

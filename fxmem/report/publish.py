@@ -18,6 +18,7 @@ import torch
 
 from ..compilation import Compilation
 from ..fallback import stage_failed
+from ..host_memory import OFFLOAD_TAG
 from ..logs import trace_plan
 from ..lowering import PATTERNS
 from .memory import MemoryReport
@@ -124,10 +125,12 @@ def inner_schedules(rep: GraphReport, graph: "PlannedGraph") -> GraphReport:
             if code is None:
                 continue
             inputs = list(gm.graph.find_nodes(op="placeholder"))
-            counted = {n.name for n in inputs if kind == "backward" and n.name not in graph.primal_names}
+            host = {n.name for n in inputs if n.meta.get(OFFLOAD_TAG)}
+            counted = {n.name for n in inputs if kind == "backward" and n.name not in graph.primal_names
+                       and not n.meta.get(OFFLOAD_TAG)}  # (an offloaded value: in host memory)
             if kind == "backward" and fresh:  # kept values that are the forward's copies (a weight
                 saved = [n.name for n in inputs if not n.name.startswith("tangents")]  # in channels-last)
-                counted |= {n for n, f in zip(saved, fresh[len(fresh) - len(saved):]) if f}
+                counted |= {n for n, f in zip(saved, fresh[len(fresh) - len(saved):]) if f} - host
             dtypes = {n.name: v.dtype for n in inputs if isinstance(v := n.meta.get("val"), torch.Tensor)}
             scratch = {n.name: (str(n.target), b) for n in gm.graph.nodes
                        if n.op == "call_function" and (b := scratch_bytes(n)) != 0}

@@ -107,6 +107,8 @@ def table(g: GraphReport) -> str:
         shown = ", ".join(g.in_backward[:4]) + (f" and {len(g.in_backward) - 4} more" if len(g.in_backward) > 4 else "")
         lines.append(f"optimizer step in the backward: {len(g.in_backward)} parameters updated as their gradients "
                      f"are made ({shown}); any other parameter of the optimizer when the backward ends")
+    if g.offloaded:
+        lines += offload_lines(g)
     if g.lowerings or g.lowering_notes:
         lines += lowering_lines(g.lowerings, g.lowering_notes)
     if g.symbols:
@@ -114,6 +116,27 @@ def table(g: GraphReport) -> str:
         legend = "; ".join(" = ".join([*g.dims(sym), str(g.values.get(sym, "?"))]) for sym, _ in by_name)
         lines.append(f"symbols (at the compiled shape): {legend}")
     return "\n".join(lines)
+
+
+SHOWN = 8  # offloaded values listed one per line
+
+
+def offload_lines(g: GraphReport) -> list[str]:
+    """The kept values in host memory between the forward and the backward, by module (repeated
+    layers folded), then each value with its bytes and the backward op its reload runs before."""
+    from .modules import folded
+
+    rows = folded([[module, nbytes, 0] for _, module, nbytes, _, _ in g.offloaded])
+    lines = [f"offloaded to host memory: {len(g.offloaded)} kept values, {human(g.host_bytes())} "
+             f"(device bytes not counted in the step peak)"]
+    w = max([len(r.module) for r in rows] + [len("module")])
+    lines += [f"  {'module':{w}s}  values  {'host':>10s}"]
+    lines += [f"  {r.module:{w}s}  {r.count:6d}  {human(r.kept_bytes):>10s}" for r in rows]
+    lines += [f"  {name} ({module}) {human(nbytes)}, reloaded before {before}"
+              for name, module, nbytes, _, before in g.offloaded[:SHOWN]]
+    if len(g.offloaded) > SHOWN:
+        lines.append(f"  and {len(g.offloaded) - SHOWN} more (GraphReport.offloaded lists them all)")
+    return lines
 
 
 def lowering_lines(rows: list[LoweringRow], notes: list[str]) -> list[str]:
