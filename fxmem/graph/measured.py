@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import sympy
 import torch
@@ -127,9 +127,10 @@ def known() -> dict[str, int]:
     return {k: v for k, v in found.items() if k not in bad}
 
 
-def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
+def measured_scratch(target, args: Sequence, kwargs: dict, out: Any,
+                     covered: Callable[[Any, Sequence], bool] | None = None) -> sympy.Expr:
     """Temporary bytes of a :data:`MEASURED` op on CPU, measured (and, for a call in a graph,
-    every other such call of that graph with it)."""
+    every other such call of that graph with it that ``covered`` does not say a formula covers)."""
     if kwargs or not measurements.enabled():
         return sympy.Integer(0)
     found = _config(target, args)
@@ -138,7 +139,8 @@ def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Ex
     key, _ = found
     if key not in known():
         graph = next((a.graph for a in args if isinstance(a, fx.Node)), None)
-        calls = [(n.target, n.args) for n in graph.nodes if n.target in MEASURED] if graph else [(target, args)]
+        calls = ([(n.target, n.args) for n in graph.nodes if n.target in MEASURED
+                  and not (covered and covered(n.target, n.args))] if graph else [(target, args)])
         todo = dict(c for c in (_config(t, a) for t, a in calls) if c is not None and c[0] not in known())
         known().update(measurements.measure({key: found[1], **todo}))
     bytes_ = sympy.Integer(known()[key])

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from .measured import MEASURED, measured_scratch, value_of
+from .measured import MEASURED, _hint, measured_scratch, value_of
 from .sizes import dim_expr, tensor_bytes
 
 aten = torch.ops.aten
@@ -171,6 +171,184 @@ def _has(a: dict, name: str) -> int:
     return int(a.get(name) is not None)
 
 
+# CPU convolutions (fp32, 2-D, not transposed, undilated): which kernel torch runs, and the
+# temporaries of the paths that follow a formula (measured with the profiler's allocator events on
+# a grid of kernels 1/3/5/7, strides 1/2, groups 1 and depthwise, 8-64 channels, batch 1-4,
+# contiguous and channels-last; tests/test_scratch.py asserts each formula against the allocator).
+# Every other call (bf16, 1-D/3-D, dilated, transposed, grouped, other kernels and strides, mixed
+# layouts) has no formula that held on that grid (oneDNN picks an implementation per shape) and is
+# measured at the plan shape instead (:mod:`.measured`).
+
+
+def _hints(shape) -> list[int]:
+    return [_hint(d) for d in shape]
+
+
+def _channels_last(v: torch.Tensor) -> bool:
+    """``v`` (4-D) is in channels-last order and not also contiguous (torch's
+    ``suggest_memory_format``), read off the hints of its strides."""
+    n, c, h, w = _hints(v.shape)
+    want = {0: h * w * c, 1: 1, 2: w * c, 3: c}
+    cl = all(size == 1 or _hint(st) == want[i] for i, (size, st) in enumerate(zip((n, c, h, w), v.stride())))
+    return cl and not v.is_contiguous()
+
+
+def conv_path(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, transposed: bool, groups: int) -> str:
+    """The CPU kernel torch 2.13 runs a float convolution on (``torch._C._select_conv_backend``,
+    ``aten/src/ATen/native/Convolution.cpp``'s ``use_mkldnn``): ``"mkldnn"`` (oneDNN), ``"slow2d"``
+    (THNN's im2col + gemm: small fp32 inputs of batch 1, or 1x1 kernels on one thread), or
+    ``"other"`` (paths without a formula here). Decided at the hints of symbolic sizes."""
+    if x.dim() != 4 or transposed or any(_hint(d) != 1 for d in dilation):
+        return "other"
+    if x.dtype != torch.float32:
+        return "mkldnn" if x.dtype == torch.bfloat16 else "other"
+    n, *_ = xs = _hints(x.shape)
+    kh, kw = _hints(w.shape)[-2:]
+    strided = any(_hint(s) != 1 for s in stride)
+    numel = xs[0] * xs[1] * xs[2] * xs[3]
+    if ((strided or n >= 16 or kh != 1 or kw != 1 or torch.get_num_threads() > 1)
+            and (groups > 1 or (kh > 3 and kw > 3) or n > 1 or numel > 20480)):
+        return "mkldnn"
+    return "slow2d"
+
+
+def _out_dim(d, k: int, s: int, p: int) -> sympy.Expr:
+    return sympy.floor((dim_expr(d) + 2 * p - k) / s) + 1
+
+
+def _conv_slow2d(x, w, stride, padding, groups, weight_pass: bool, forward: bool,
+                 input_pass: bool) -> sympy.Expr | None:
+    """THNN's ``slow_conv2d``: the im2col ``columns`` of the whole batch, ``N x (C/g * kh * kw) x
+    (Ho * Wo)`` elements, built by the forward and by the weight gradient (none for a 1x1 kernel of
+    stride 1 without padding: the input is its own column matrix); the input gradient needs none.
+    A channels-last input: the weight is copied to channels-last first (unless it already is: a
+    1x1 kernel). Measured: exactly this on every batch-1 case of the grid (8-64 channels, 3x3 and
+    1x1 kernels, strides 1 and 2)."""
+    if groups != 1:
+        return None
+    kh, kw = _hints(w.shape)[-2:]
+    (sh, sw), (ph, pw) = _hints(stride), _hints(padding)
+    columns = ZERO
+    if forward or weight_pass:
+        if (kh, kw, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0):
+            columns = (dim_expr(x.shape[0]) * dim_expr(x.shape[1]) * kh * kw * _out_dim(x.shape[2], kh, sh, ph)
+                       * _out_dim(x.shape[3], kw, sw, pw) * x.element_size())
+    copied = _channels_last(x) and kh * kw > 1 and (forward or weight_pass or input_pass)
+    return columns + (tensor_bytes(w) if copied else ZERO)
+
+
+def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bool,
+                           bias: bool) -> sympy.Expr | None:
+    """oneDNN, depthwise (one input channel per group, as many outputs), channels-last input and
+    gradient (ConvNeXt's 7x7): the forward and the input gradient reorder only the weight (its
+    bytes); the weight gradient (computed whenever the weight's or the bias's is asked for) holds
+    2x the weight for a 3x3 kernel and 257x for 5x5 and 7x7, whatever the batch, image size and
+    stride (per-thread weight accumulators of oneDNN's kernel; the same on 1-4 threads), plus the
+    bias gradient's bytes. A contiguous input: the forward reorders the input and the weight
+    (their bytes); its backward follows no formula on the grid (measured)."""
+    kh, kw = _hints(w.shape)[-2:]
+    if kh != kw or kh not in (3, 5, 7):
+        return None
+    wb = tensor_bytes(w)
+    if not _channels_last(x):
+        return tensor_bytes(x) + wb if forward else None
+    if forward or not weight_pass:
+        return wb
+    return (2 if kh == 3 else 257) * wb + (dim_expr(w.shape[0]) * x.element_size() if bias else ZERO)
+
+
+def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | None) -> sympy.Expr | None:
+    """oneDNN, groups 1, 3x3 and 7x7 kernels (and 1x1 of stride 1 in the forward), measured on
+    the grid (``masks`` None: the forward; else the backward's output mask; the bias's gradient is
+    not covered). Contiguous input: the forward reorders the input and the weight into blocked
+    layouts and writes a blocked output it then copies, ``max(xb + wb, ob)`` beyond the output; the
+    backward's weight gradient (strides 1, and stride 2 without the input's) ``max(wb, xb + ob)``,
+    its input gradient alone (stride 1) ``max(ob + wb, xb)``. Channels-last input and gradient:
+    torch copies the weight to channels-last, oneDNN reorders it: the weight gradient ``3 wb``
+    (stride 1, or 7x7 / stride 2 without the input's). Not covered: the channels-last forward
+    (``2 wb`` plus a per-thread scratchpad of ``4096 + 4120 * threads`` bytes on 16-64 channels, but
+    oneDNN pads the reordered weight to 4/3 of it at 48 channels on some image sizes)."""
+    kh, kw = _hints(w.shape)[-2:]
+    s = _hints(stride)
+    if kh != kw or kh not in (1, 3, 7) or s[0] != s[1] or s[0] not in (1, 2):
+        return None
+    k, s = kh, s[0]
+    xb, wb = tensor_bytes(x), tensor_bytes(w)
+    p = _hints(padding)
+    ob = (dim_expr(x.shape[0]) * dim_expr(w.shape[0]) * _out_dim(x.shape[2], k, s, p[0])
+          * _out_dim(x.shape[3], k, s, p[1]) * x.element_size())
+    if _channels_last(x):
+        if masks is None:
+            return None
+        gi, gw, gb = masks
+        if gw and not gb and k > 1 and (s == 1 or k == 7 or not gi):
+            return 3 * wb
+        return None
+    if masks is None:
+        return sympy.Max(xb + wb, ob) if k > 1 or s == 1 else None
+    gi, gw, gb = masks
+    if k == 1 or gb:
+        return None
+    if gw and (s == 1 or not gi):
+        return sympy.Max(wb, xb + ob)
+    if gi and not gw and s == 1:
+        return sympy.Max(ob + wb, xb) if k == 3 else ob + wb
+    return None
+
+
+def conv_formula(target, args: Sequence) -> sympy.Expr | None:
+    """A CPU convolution's (or its backward's) temporary bytes by the formula of the kernel torch
+    runs it on, or None where no formula covers the call (then it is measured)."""
+    backward = target is aten.convolution_backward.default
+    if backward:
+        grad, x, w, bias_sizes, stride, padding, dilation, transposed, _, groups, masks = args
+        grad = value_of(grad)
+    else:
+        x, w, bias, stride, padding, dilation, transposed, _, groups = args
+    x, w = value_of(x), value_of(w)
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.device.type == "cpu"):
+        return None
+    groups, stride, padding, dilation = _hint(groups), [_hint(v) for v in stride], [_hint(v) for v in padding], \
+        [_hint(v) for v in dilation]
+    path = conv_path(x, w, stride, padding, dilation, transposed, groups)
+    if x.dtype != torch.float32 or path == "other":
+        return None
+    if backward:
+        masks = tuple(bool(m) for m in masks)
+        if not isinstance(grad, torch.Tensor) or _channels_last(grad) != _channels_last(x):
+            return None  # a gradient in another layout than its input: copied, not covered
+    if path == "slow2d":
+        return _conv_slow2d(x, w, stride, padding, groups, forward=not backward,
+                            weight_pass=backward and masks[1], input_pass=backward and masks[0])
+    c, o = _hint(x.shape[1]), _hint(w.shape[0])
+    if groups == c == o and _hint(w.shape[1]) == 1:
+        return _conv_mkldnn_depthwise(x, w, stride, padding, forward=not backward,
+                                      weight_pass=backward and (masks[1] or masks[2]),
+                                      bias=backward and masks[2])
+    if groups == 1:
+        return _conv_mkldnn_dense(x, w, stride, padding, masks if backward else None)
+    return None
+
+
+def _convolution(target, args, kwargs, out) -> sympy.Expr:
+    """A CPU convolution's temporaries: its kernel's formula (:func:`conv_formula`), else measured."""
+    if not kwargs:
+        try:
+            found = conv_formula(target, args)
+        except (TypeError, ValueError):  # an argument list of another form: measured
+            found = None
+        if found is not None:
+            return sympy.sympify(found)
+    return measured_scratch(target, args, kwargs, out, covered=_covered)
+
+
+def _covered(target, args) -> bool:
+    try:
+        return conv_formula(target, args) is not None
+    except (TypeError, ValueError):
+        return False
+
+
 # Measured on CPU in fp32 and bf16 (tests/test_scratch.py): the fp32 casts of low-precision
 # inputs, ``x + bias`` before the GELU derivative (a block of rows at a time), fp32 copies of a
 # norm's weight, per-row sums.
@@ -196,7 +374,7 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
     run_with_rng_state: _run_with_rng_state,
     run_and_save_rng_state: _run_and_save_rng_state,
-    **{op: measured_scratch for op in MEASURED},
+    **{op: _convolution for op in MEASURED},
     **{name: _fxmem_cpu(f) for name, f in _FXMEM_KERNELS.items()},
 }
 
