@@ -173,11 +173,15 @@ def _has(a: dict, name: str) -> int:
 
 # CPU convolutions (fp32, 2-D, not transposed, undilated): which kernel torch runs, and the
 # temporaries of the paths that follow a formula (measured with the profiler's allocator events on
-# a grid of kernels 1/3/5/7, strides 1/2, groups 1 and depthwise, 8-64 channels, batch 1-4,
-# contiguous and channels-last; tests/test_scratch.py asserts each formula against the allocator).
-# Every other call (bf16, 1-D/3-D, dilated, transposed, grouped, other kernels and strides, mixed
-# layouts) has no formula that held on that grid (oneDNN picks an implementation per shape) and is
-# measured at the plan shape instead (:mod:`.measured`).
+# a grid of kernels 1/3/5/7, strides 1/2, groups 1 and depthwise, 3-64 channels, batch 1-4, images
+# 8-16 px, contiguous and channels-last; tests/test_scratch.py asserts each formula against the
+# allocator). oneDNN's formulas hold on AVX-512 CPUs (its blocked layouts are 16 channels wide
+# there: a weight's reorder is padded to whole blocks) and, for groups 1, on channel counts that
+# are whole blocks; elsewhere, and for every call without a formula (bf16, 1-D/3-D, dilated,
+# transposed, grouped, 2x2/4x4 patch kernels, the stride-2 input gradient, mixed layouts: no formula
+# held on the grid, oneDNN picks an implementation per shape), the temporaries are measured at the
+# plan shape instead (:mod:`.measured`).
+ONEDNN_BLOCK = 16  # channels per block of oneDNN's fp32 layouts on AVX-512
 
 
 def _hints(shape) -> list[int]:
@@ -237,30 +241,45 @@ def _conv_slow2d(x, w, stride, padding, groups, weight_pass: bool, forward: bool
     return columns + (tensor_bytes(w) if copied else ZERO)
 
 
+def _blocks(c: int) -> int:
+    return -(-c // ONEDNN_BLOCK) * ONEDNN_BLOCK
+
+
+def _onednn_formulas() -> bool:
+    """Whether oneDNN's formulas apply here: the CPU capability they were measured on."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bool,
                            bias: bool) -> sympy.Expr | None:
     """oneDNN, depthwise (one input channel per group, as many outputs), channels-last input and
-    gradient (ConvNeXt's 7x7): the forward and the input gradient reorder only the weight (its
-    bytes); the weight gradient (computed whenever the weight's or the bias's is asked for) holds
-    2x the weight for a 3x3 kernel and 257x for 5x5 and 7x7, whatever the batch, image size and
-    stride (per-thread weight accumulators of oneDNN's kernel; the same on 1-4 threads), plus the
-    bias gradient's bytes. A contiguous input: the forward reorders the input and the weight
-    (their bytes); its backward follows no formula on the grid (measured)."""
+    gradient (ConvNeXt's 7x7): the forward and the input gradient reorder only the weight, padded
+    to whole blocks of channels (``wp``: 3136 bytes for a 7x7 kernel on 3, 8 or 16 channels); the
+    weight gradient (computed whenever the weight's or the bias's is asked for) holds ``257 wb``
+    for 5x5 and 7x7 kernels, whatever the batch, image size, stride and thread count (1-4; oneDNN's
+    per-thread weight accumulators: 3.2 MB for a 7x7 on 64 channels, the largest temporary of a
+    ConvNeXt step) and ``2 wb`` for 3x3 (channels a whole number of blocks), plus the bias
+    gradient's bytes. A contiguous input: the forward reorders the input and the weight (their
+    bytes; channels a whole number of blocks); its backward follows no formula on the grid."""
     kh, kw = _hints(w.shape)[-2:]
+    c = _hint(w.shape[0])
     if kh != kw or kh not in (3, 5, 7):
         return None
     wb = tensor_bytes(w)
+    whole = c % ONEDNN_BLOCK == 0
     if not _channels_last(x):
-        return tensor_bytes(x) + wb if forward else None
+        return tensor_bytes(x) + wb if forward and whole else None
     if forward or not weight_pass:
-        return wb
+        return _blocks(c) * kh * kw * w.element_size()
+    if kh == 3 and not whole:
+        return None
     return (2 if kh == 3 else 257) * wb + (dim_expr(w.shape[0]) * x.element_size() if bias else ZERO)
 
 
 def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | None) -> sympy.Expr | None:
-    """oneDNN, groups 1, 3x3 and 7x7 kernels (and 1x1 of stride 1 in the forward), measured on
-    the grid (``masks`` None: the forward; else the backward's output mask; the bias's gradient is
-    not covered). Contiguous input: the forward reorders the input and the weight into blocked
+    """oneDNN, groups 1, 3x3 and 7x7 kernels (and 1x1 of stride 1 in the forward), input and
+    output channels whole blocks, measured on the grid (``masks`` None: the forward; else the
+    backward's output mask; the bias's gradient is not covered). Contiguous input: the forward reorders the input and the weight into blocked
     layouts and writes a blocked output it then copies, ``max(xb + wb, ob)`` beyond the output; the
     backward's weight gradient (strides 1, and stride 2 without the input's) ``max(wb, xb + ob)``,
     its input gradient alone (stride 1) ``max(ob + wb, xb)``. Channels-last input and gradient:
@@ -272,6 +291,8 @@ def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | N
     s = _hints(stride)
     if kh != kw or kh not in (1, 3, 7) or s[0] != s[1] or s[0] not in (1, 2):
         return None
+    if _hint(x.shape[1]) % ONEDNN_BLOCK or _hint(w.shape[0]) % ONEDNN_BLOCK:
+        return None  # padded blocks: other implementations, no formula held (3, 8, 24, 40 channels)
     k, s = kh, s[0]
     xb, wb = tensor_bytes(x), tensor_bytes(w)
     p = _hints(padding)
@@ -317,6 +338,8 @@ def conv_formula(target, args: Sequence) -> sympy.Expr | None:
         masks = tuple(bool(m) for m in masks)
         if not isinstance(grad, torch.Tensor) or _channels_last(grad) != _channels_last(x):
             return None  # a gradient in another layout than its input: copied, not covered
+    if path == "mkldnn" and not _onednn_formulas():
+        return None
     if path == "slow2d":
         return _conv_slow2d(x, w, stride, padding, groups, forward=not backward,
                             weight_pass=backward and masks[1], input_pass=backward and masks[0])
