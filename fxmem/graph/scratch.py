@@ -279,8 +279,9 @@ def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bo
 def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | None) -> sympy.Expr | None:
     """oneDNN, groups 1, 3x3 and 7x7 kernels (and 1x1 of stride 1 in the forward), input and
     output channels whole blocks, measured on the grid (``masks`` None: the forward; else the
-    backward's output mask; the bias's gradient is not covered). Contiguous input: the forward reorders the input and the weight into blocked
-    layouts and writes a blocked output it then copies, ``max(xb + wb, ob)`` beyond the output; the
+    backward's output mask; the bias's gradient is not covered). Contiguous input: the forward
+    reorders the input and the weight into blocked layouts and writes a blocked output it then
+    copies, ``max(xb + wb, ob)`` beyond the output; the
     backward's weight gradient (strides 1, and stride 2 without the input's) ``max(wb, xb + ob)``,
     its input gradient alone (stride 1) ``max(ob + wb, xb)``. Channels-last input and gradient:
     torch copies the weight to channels-last, oneDNN reorders it: the weight gradient ``3 wb``
