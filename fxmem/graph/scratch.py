@@ -172,15 +172,15 @@ def _has(a: dict, name: str) -> int:
 
 
 # CPU convolutions (fp32, 2-D, not transposed, undilated): which kernel torch runs, and the
-# temporaries of the paths that follow a formula (measured with the profiler's allocator events on
+# temporaries of the paths that follow a formula, measured with the profiler's allocator events on
 # a grid of kernels 1/3/5/7, strides 1/2, groups 1 and depthwise, 3-64 channels, batch 1-4, images
-# 8-16 px, contiguous and channels-last; tests/test_scratch.py asserts each formula against the
+# 8-16 px, contiguous and channels-last (tests/test_scratch.py asserts each formula against the
 # allocator). oneDNN's formulas hold on AVX-512 CPUs (its blocked layouts are 16 channels wide
-# there: a weight's reorder is padded to whole blocks) and, for groups 1, on channel counts that
-# are whole blocks; elsewhere, and for every call without a formula (bf16, 1-D/3-D, dilated,
-# transposed, grouped, 2x2/4x4 patch kernels, the stride-2 input gradient, mixed layouts: no formula
-# held on the grid, oneDNN picks an implementation per shape), the temporaries are measured at the
-# plan shape instead (:mod:`.measured`).
+# there: a weight's reorder is padded to whole blocks), its groups-1 formulas on 16, 32 and 64
+# channels (48 took another implementation). Everywhere else, and for every call without a formula
+# (bf16, 1-D/3-D, dilated, transposed, grouped, 2x2/4x4 patch kernels, the stride-2 input gradient,
+# mixed layouts: no formula held on the grid, oneDNN picks an implementation per shape), the
+# temporaries are measured at the plan shape instead (:mod:`.measured`).
 ONEDNN_BLOCK = 16  # channels per block of oneDNN's fp32 layouts on AVX-512
 
 
@@ -245,6 +245,12 @@ def _blocks(c: int) -> int:
     return -(-c // ONEDNN_BLOCK) * ONEDNN_BLOCK
 
 
+def _pow2_blocks(c: int) -> bool:
+    """``c`` is a power-of-two number of oneDNN blocks (16, 32, 64, ... channels: a groups-1
+    formula's domain, measured on 16-64)."""
+    return c >= ONEDNN_BLOCK and c % ONEDNN_BLOCK == 0 and (c // ONEDNN_BLOCK) & (c // ONEDNN_BLOCK - 1) == 0
+
+
 def _onednn_formulas() -> bool:
     """Whether oneDNN's formulas apply here: the CPU capability they were measured on."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
@@ -278,7 +284,7 @@ def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bo
 
 def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | None) -> sympy.Expr | None:
     """oneDNN, groups 1, 3x3 and 7x7 kernels (and 1x1 of stride 1 in the forward), input and
-    output channels whole blocks, measured on the grid (``masks`` None: the forward; else the
+    output channels a power-of-two number of blocks, measured on the grid (``masks`` None: the forward; else the
     backward's output mask; the bias's gradient is not covered). Contiguous input: the forward
     reorders the input and the weight into blocked layouts and writes a blocked output it then
     copies, ``max(xb + wb, ob)`` beyond the output; the
@@ -292,8 +298,8 @@ def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | N
     s = _hints(stride)
     if kh != kw or kh not in (1, 3, 7) or s[0] != s[1] or s[0] not in (1, 2):
         return None
-    if _hint(x.shape[1]) % ONEDNN_BLOCK or _hint(w.shape[0]) % ONEDNN_BLOCK:
-        return None  # padded blocks: other implementations, no formula held (3, 8, 24, 40 channels)
+    if not all(_pow2_blocks(_hint(c)) for c in (x.shape[1], w.shape[0])):
+        return None  # other implementations: no formula held on 3, 8, 24, 40 or 48 channels
     k, s = kh, s[0]
     xb, wb = tensor_bytes(x), tensor_bytes(w)
     p = _hints(padding)
