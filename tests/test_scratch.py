@@ -314,6 +314,42 @@ def test_convolution_formulas_are_symbolic_and_never_measured(tmp_path, monkeypa
     assert int(op_scratch(aten.convolution_backward.default, bwd, {}, None)) == 257 * w.numel() * 4 + 32 * 4
 
 
+@pytest.mark.parametrize("w_shape,stride,padding", [((16, 3, 4, 4), 4, 0), ((8, 16, 1, 1), 2, 0)])
+def test_a_measured_convolution_with_a_symbolic_batch_is_the_line_through_two_batches(w_shape, stride, padding,
+                                                                                      tmp_path, monkeypatch):
+    """No formula covers these (a 4x4 patch embedding, a strided 1x1 on 8 outputs): measured at
+    the plan's batch and one more example, the temporaries at other batches are the line through
+    the two (not the plan's bytes scaled by the batch: oneDNN's scratchpads and weight reorders
+    are fixed). Exact where they are affine in the batch (the 1x1); where a fixed buffer gives way
+    to a per-example one beyond the two (the patch embedding's output reorder from batch 4 on), the
+    line is a lower bound (the temporaries are a maximum of affine terms: convex in the batch)."""
+    import fxmem.graph.measured as measured_mod
+
+    monkeypatch.setenv("FXMEM_CACHE", str(tmp_path))
+    measured_mod.known.cache_clear()
+    c = w_shape[1]
+    conv = (lambda x, w: aten.convolution.default(x, w, None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0], 1))
+    try:
+        gm = make_fx(conv, tracing_mode="symbolic")(torch.randn(2, c, 16, 16), torch.randn(w_shape))
+        node = next(n for n in gm.graph.nodes if n.target is aten.convolution.default)
+        formula = op_scratch(node.target, node.args, node.kwargs, node.meta["val"])
+        assert len(measured_mod.known()) == 2  # batch 2 and 3
+    finally:
+        measured_mod.known.cache_clear()
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in (2, 3, 4, 6):
+        x, w = torch.randn(n, c, 16, 16), torch.randn(w_shape)
+        at = {d.node.expr: v for val, t in zip(inputs, (x, w)) for d, v in zip(val.shape, t.shape)
+              if isinstance(d, torch.SymInt)}
+        conv(x, w)
+        got, _ = measured(conv, x, w)
+        predicted = int(formula.subs(at))
+        if n <= 3 or w_shape[-1] == 1:
+            assert predicted == got, (n, predicted, got)
+        else:
+            assert 0 < predicted <= got, (n, predicted, got)
+
+
 @pytest.mark.parametrize("rows,vocab,workspace", [(4, 16, 1 << 20), (256, 1000, 1 << 22), (512, 1000, 64000),
                                                   (2048, 100, 40000)])
 def test_fused_loss_workspace_and_row_vectors_match_the_allocator(rows, vocab, workspace):

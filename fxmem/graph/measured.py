@@ -8,8 +8,10 @@ allocates 3x what it does on contiguous ones). So they are measured: the op at t
 strides on random data, in a fresh Python process (the allocator's
 events come from the profiler, and the caller may be profiling already), every configuration of a
 graph in one run, cached in memory and on disk, keyed by torch's version and the thread count
-(the child process and the cache file: :mod:`fxmem.measurements`). A dynamic batch scales the
-measurement linearly (reorder buffers are per example). ``FXMEM_MEASURE_SCRATCH=0`` turns it off
+(the child process and the cache file: :mod:`fxmem.measurements`). A symbolic batch: measured at
+the plan's batch and one more example, the temporaries the line through the two (reorder buffers
+are per example, scratchpads and weight reorders are not). Convolutions whose kernel follows a
+formula (:func:`fxmem.graph.scratch.conv_formula`) are not measured. ``FXMEM_MEASURE_SCRATCH=0`` turns it off
 (counted as 0).
 """
 
@@ -43,28 +45,45 @@ def value_of(a: Any) -> Any:
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
-def _spec(a: Any) -> Any:
-    """An argument as JSON: a tensor as its shape and dtype at the plan shape."""
+def _spec(a: Any, batch: Any = None, extra: int = 0) -> Any:
+    """An argument as JSON: a tensor as its shape and dtype at the plan shape (``extra`` more
+    examples where its first dimension is the symbolic ``batch``)."""
     a = value_of(a)
     if isinstance(a, torch.Tensor):
-        spec = {"shape": [_hint(d) for d in a.shape], "dtype": str(a.dtype).removeprefix("torch.")}
+        shape = [_hint(d) for d in a.shape]
+        if extra and a.dim() and _same_symbol(a.shape[0], batch):
+            shape[0] += extra
+        spec = {"shape": shape, "dtype": str(a.dtype).removeprefix("torch.")}
         if not a.is_contiguous():  # a layout oneDNN reorders from (channels-last: ConvNeXt's depthwise convs)
             spec["stride"] = [_hint(d) for d in a.stride()]
         return spec
     if isinstance(a, (list, tuple)):
-        return [_spec(x) for x in a]
+        return [_spec(x, batch, extra) for x in a]
     if isinstance(a, torch.SymInt):
         return _hint(a)
     return a
 
 
-def _config(target, args: Sequence) -> tuple[str, Any] | None:
-    """(cache key, JSON config) of a call on CPU tensors, else None."""
+def _same_symbol(d: Any, batch: Any) -> bool:
+    return isinstance(d, torch.SymInt) and isinstance(batch, torch.SymInt) and d.node.expr == batch.node.expr
+
+
+def _batch(args: Sequence) -> torch.SymInt | None:
+    """The call's symbolic batch (its first argument's first dimension), None when static."""
+    first = value_of(args[0]) if args else None
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+    return batch if isinstance(batch, torch.SymInt) and _hint(batch) > 0 else None
+
+
+def _config(target, args: Sequence, extra: int = 0) -> tuple[str, Any] | None:
+    """(cache key, JSON config) of a call on CPU tensors (``extra`` more examples in its batch),
+    else None."""
     first = value_of(args[0]) if args else None
     if not (isinstance(first, torch.Tensor) and first.device.type == "cpu"):
         return None
+    batch = _batch(args)
     config = {"op": target._schema.name.split("::")[1], "overload": target._overloadname,
-              "args": [_spec(a) for a in args]}
+              "args": [_spec(a, batch, extra) for a in args]}
     key = json.dumps([torch.__version__, torch.get_num_threads(), config], sort_keys=True)
     return key, config
 
@@ -133,19 +152,25 @@ def measured_scratch(target, args: Sequence, kwargs: dict, out: Any,
     every other such call of that graph with it that ``covered`` does not say a formula covers)."""
     if kwargs or not measurements.enabled():
         return sympy.Integer(0)
-    found = _config(target, args)
-    if found is None:
+    found = _configs(target, args)
+    if not found:
         return sympy.Integer(0)
-    key, _ = found
-    if key not in known():
+    if any(key not in known() for key in found):
         graph = next((a.graph for a in args if isinstance(a, fx.Node)), None)
         calls = ([(n.target, n.args) for n in graph.nodes if n.target in MEASURED
                   and not (covered and covered(n.target, n.args))] if graph else [(target, args)])
-        todo = dict(c for c in (_config(t, a) for t, a in calls) if c is not None and c[0] not in known())
-        known().update(measurements.measure({key: found[1], **todo}))
-    bytes_ = sympy.Integer(known()[key])
-    first = value_of(args[0])
-    batch = first.shape[0] if first.dim() else 1
-    if isinstance(batch, torch.SymInt) and _hint(batch) > 0:  # per example
-        return bytes_ * dim_expr(batch) / _hint(batch)
-    return bytes_
+        todo = {k: c for t, a in calls for k, c in _configs(t, a).items() if k not in known()}
+        known().update(measurements.measure({**{k: c for k, c in found.items() if k not in known()}, **todo}))
+    at, *more = (sympy.Integer(known()[key]) for key in found)
+    if more:  # a symbolic batch: the line through the plan's batch and one more example
+        batch = _batch(args)
+        return sympy.Max(0, at + (more[0] - at) * (dim_expr(batch) - _hint(batch)))
+    return at
+
+
+def _configs(target, args: Sequence) -> dict[str, Any]:
+    """The configurations measured for a call: at the plan shape, and, where its batch is
+    symbolic, with one more example (oneDNN's reorders and scratchpads are partly per example,
+    partly fixed: a ResNet's strided convolutions)."""
+    found = [_config(target, args)] + ([_config(target, args, extra=1)] if _batch(args) is not None else [])
+    return dict(c for c in found if c is not None)
