@@ -5,6 +5,7 @@ import itertools
 import operator
 
 import pytest
+import sympy
 import torch
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -208,7 +209,6 @@ FORMULA_GRIDS = {  # class: (groups, channels-last, kernels, (C, O) pairs, batch
     "slow2d": ("dense", False, (1, 3), ((3, 16), (16, 32), (32, 16)), (1,), (8, 11)),
     "slow2d-channels-last": ("dense", True, (1, 3), ((16, 16), (16, 32)), (1,), (8,)),
     "dense": ("dense", False, (1, 3, 7), ((16, 32), (64, 64), (3, 16), (48, 48)), (2, 3), (8, 13)),
-    "dense-channels-last": ("dense", True, (3, 7), ((16, 32), (64, 64), (48, 48)), (2,), (8, 13)),
     "depthwise": ("depthwise", False, (3, 7), ((16, 16), (24, 24)), (2,), (8, 13)),
     "depthwise-channels-last": ("depthwise", True, (3, 5, 7), ((16, 16), (48, 48), (3, 3), (24, 24)), (2, 3),
                                 (8, 13)),
@@ -216,8 +216,7 @@ FORMULA_GRIDS = {  # class: (groups, channels-last, kernels, (C, O) pairs, batch
 MUST_COVER = {  # (kernel, stride, C, call) that a class's formula covers, at every batch and size
     "slow2d": [(3, 1, 3, "f"), (3, 2, 16, "TTF"), (1, 2, 32, "FTT"), (3, 1, 16, "TFF")],
     "slow2d-channels-last": [(3, 1, 16, "f"), (3, 2, 16, "TTF")],
-    "dense": [(3, 1, 16, "f"), (3, 1, 64, "TTF"), (7, 2, 16, "f"), (7, 2, 64, "FTF"), (3, 1, 16, "TFF")],
-    "dense-channels-last": [(3, 1, 16, "TTF"), (7, 2, 64, "FTF")],
+    "dense": [(3, 1, 16, "f"), (3, 2, 64, "f"), (7, 2, 16, "f"), (1, 1, 64, "f")],
     "depthwise": [(7, 1, 16, "f"), (3, 2, 16, "f")],
     "depthwise-channels-last": [(7, 1, 3, "TTT"), (7, 2, 24, "FTF"), (5, 1, 16, "TTF"), (3, 1, 48, "TTF"),
                                 (3, 2, 24, "f"), (7, 1, 16, "TFF")],
@@ -280,38 +279,40 @@ def test_convolution_formulas_are_symbolic_and_never_measured(tmp_path, monkeypa
     monkeypatch.setenv("FXMEM_CACHE", str(tmp_path))
     measured_mod.known.cache_clear()
 
-    def f(x, w, g):
+    def f(x, w, d, dw, g):
         out = aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
-        return out, aten.convolution_backward.default(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                                      [True, True, False])
+        return out, aten.convolution_backward.default(g, d, dw, [32], [1, 1], [3, 3], [1, 1], False, [0, 0], 32,
+                                                      [True, True, True])
+
+    def args(n, h):
+        d = torch.randn(n, 32, h, h).contiguous(memory_format=torch.channels_last)
+        return torch.randn(n, 16, h, h), torch.randn(32, 16, 3, 3), d, torch.randn(32, 1, 7, 7), torch.randn_like(d)
 
     try:
-        gm = make_fx(f, tracing_mode="symbolic")(torch.randn(2, 16, 8, 8), torch.randn(32, 16, 3, 3),
-                                                 torch.randn(2, 32, 8, 8))
+        gm = make_fx(f, tracing_mode="symbolic")(*args(2, 8))
         nodes = [n for n in gm.graph.nodes if n.target in (aten.convolution.default,
                                                            aten.convolution_backward.default)]
         formulas = [op_scratch(n.target, n.args, n.kwargs, n.meta["val"]) for n in nodes]
         inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-        batch = inputs[0].shape[0].node.expr
-        assert all(batch in e.free_symbols for e in formulas), formulas
-        assert not (tmp_path / "scratch.json").exists()
-        for n, h in ((3, 13), (5, 8)):
-            x, w, g = torch.randn(n, 16, h, h), torch.randn(32, 16, 3, 3), torch.randn(n, 32, h, h)
-            calls = [(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
-                     (aten.convolution_backward.default, (g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                                          [True, True, False]))]
-            at = {d.node.expr: v for val, t in zip(inputs, (x, w, g)) for d, v in zip(val.shape, t.shape)
-                  if isinstance(d, torch.SymInt)}
-            for e, (op, args) in zip(formulas, calls):
-                op(*args)
-                got, _ = measured(op, *args)
-                assert int(e.subs(at)) == got, (op, n, h)
+        assert inputs[0].shape[0].node.expr in formulas[0].free_symbols, formulas
+        traced = {dim.node.expr: v for val, t in zip(inputs, args(2, 8)) for dim, v in zip(val.shape, t.shape)
+                  if isinstance(dim, torch.SymInt)}  # the weight's sizes are symbols too under make_fx
+        assert formulas[1].subs(traced) == 257 * 32 * 49 * 4 + 32 * 4  # per-thread accumulators
+        assert not formulas[1].free_symbols & {inputs[2].shape[0].node.expr, inputs[2].shape[2].node.expr}
+        assert not (tmp_path / "scratch.json").exists() and not measured_mod.known()
     finally:
         measured_mod.known.cache_clear()
-    x = torch.randn(2, 32, 8, 8).contiguous(memory_format=torch.channels_last)
-    w = torch.randn(32, 1, 7, 7)
-    bwd = (torch.randn_like(x), x, w, [32], [1, 1], [3, 3], [1, 1], False, [0, 0], 32, [True, True, True])
-    assert int(op_scratch(aten.convolution_backward.default, bwd, {}, None)) == 257 * w.numel() * 4 + 32 * 4
+    for n, h in ((3, 13), (5, 8)):
+        x, w, d, dw, g = values = args(n, h)
+        at = {dim.node.expr: v for val, t in zip(inputs, values) for dim, v in zip(val.shape, t.shape)
+              if isinstance(dim, torch.SymInt)}
+        calls = [(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+                 (aten.convolution_backward.default, (g, d, dw, [32], [1, 1], [3, 3], [1, 1], False, [0, 0], 32,
+                                                      [True, True, True]))]
+        for e, (op, call) in zip(formulas, calls):
+            op(*call)
+            got, _ = measured(op, *call)
+            assert int(sympy.sympify(e).subs(at)) == got, (op, n, h)
 
 
 @pytest.mark.parametrize("w_shape,stride,padding", [((16, 3, 4, 4), 4, 0), ((8, 16, 1, 1), 2, 0)])

@@ -178,8 +178,8 @@ def _has(a: dict, name: str) -> int:
 # allocator). oneDNN's formulas hold on AVX-512 CPUs (its blocked layouts are 16 channels wide
 # there: a weight's reorder is padded to whole blocks), its groups-1 formulas on 16, 32 and 64
 # channels (48 took another implementation). Everywhere else, and for every call without a formula
-# (bf16, 1-D/3-D, dilated, transposed, grouped, 2x2/4x4 patch kernels, the stride-2 input gradient,
-# mixed layouts: no formula held on the grid, oneDNN picks an implementation per shape), the
+# (bf16, 1-D/3-D, dilated, transposed, grouped, 2x2/4x4 patch kernels, groups-1 backward, mixed
+# layouts: no formula held on the grid, oneDNN picks an implementation per shape), the
 # temporaries are measured at the plan shape instead (:mod:`.measured`).
 ONEDNN_BLOCK = 16  # channels per block of oneDNN's fp32 layouts on AVX-512
 
@@ -283,45 +283,28 @@ def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bo
 
 
 def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | None) -> sympy.Expr | None:
-    """oneDNN, groups 1, 3x3 and 7x7 kernels (and 1x1 of stride 1 in the forward), input and
-    output channels a power-of-two number of blocks, measured on the grid (``masks`` None: the forward; else the
-    backward's output mask; the bias's gradient is not covered). Contiguous input: the forward
-    reorders the input and the weight into blocked layouts and writes a blocked output it then
-    copies, ``max(xb + wb, ob)`` beyond the output; the
-    backward's weight gradient (strides 1, and stride 2 without the input's) ``max(wb, xb + ob)``,
-    its input gradient alone (stride 1) ``max(ob + wb, xb)``. Channels-last input and gradient:
-    torch copies the weight to channels-last, oneDNN reorders it: the weight gradient ``3 wb``
-    (stride 1, or 7x7 / stride 2 without the input's). Not covered: the channels-last forward
-    (``2 wb`` plus a per-thread scratchpad of ``4096 + 4120 * threads`` bytes on 16-64 channels, but
-    oneDNN pads the reordered weight to 4/3 of it at 48 channels on some image sizes)."""
+    """oneDNN, groups 1, the forward (``masks`` None), 3x3 and 7x7 kernels (and 1x1 of stride 1),
+    contiguous input, input and output channels a power-of-two number of blocks: it reorders the
+    input and the weight into blocked layouts and writes a blocked output it then copies,
+    ``max(xb + wb, ob)`` beyond the output (exact on the grid, and on a ResNet's convolutions at
+    batch 8). Not covered (measured): the backward (``max(wb, xb + ob)`` for the weight gradient on
+    batches 1-4, but 45 KB more at batch 8 with 32 channels, 16 px: oneDNN's per-thread partial
+    sums), the channels-last forward (``2 wb`` plus a per-thread scratchpad of ``4096 + 4120 *
+    threads`` bytes on 16-64 channels, but the reordered weight padded to 4/3 of it at 48 channels
+    on some image sizes)."""
     kh, kw = _hints(w.shape)[-2:]
     s = _hints(stride)
-    if kh != kw or kh not in (1, 3, 7) or s[0] != s[1] or s[0] not in (1, 2):
+    if masks is not None or _channels_last(x) or kh != kw or kh not in (1, 3, 7) or s[0] != s[1] or s[0] not in (1, 2):
         return None
     if not all(_pow2_blocks(_hint(c)) for c in (x.shape[1], w.shape[0])):
         return None  # other implementations: no formula held on 3, 8, 24, 40 or 48 channels
     k, s = kh, s[0]
-    xb, wb = tensor_bytes(x), tensor_bytes(w)
+    if k == 1 and s != 1:
+        return None
     p = _hints(padding)
     ob = (dim_expr(x.shape[0]) * dim_expr(w.shape[0]) * _out_dim(x.shape[2], k, s, p[0])
           * _out_dim(x.shape[3], k, s, p[1]) * x.element_size())
-    if _channels_last(x):
-        if masks is None:
-            return None
-        gi, gw, gb = masks
-        if gw and not gb and k > 1 and (s == 1 or k == 7 or not gi):
-            return 3 * wb
-        return None
-    if masks is None:
-        return sympy.Max(xb + wb, ob) if k > 1 or s == 1 else None
-    gi, gw, gb = masks
-    if k == 1 or gb:
-        return None
-    if gw and (s == 1 or not gi):
-        return sympy.Max(wb, xb + ob)
-    if gi and not gw and s == 1:
-        return sympy.Max(ob + wb, xb) if k == 3 else ob + wb
-    return None
+    return sympy.Max(tensor_bytes(x) + tensor_bytes(w), ob)
 
 
 def conv_formula(target, args: Sequence) -> sympy.Expr | None:
