@@ -9,8 +9,9 @@ strides on random data, in a fresh Python process (the allocator's
 events come from the profiler, and the caller may be profiling already), every configuration of a
 graph in one run, cached in memory and on disk, keyed by torch's version and the thread count
 (the child process and the cache file: :mod:`fxmem.measurements`). A symbolic batch: measured at
-the plan's batch and one more example, the temporaries the line through the two (reorder buffers
-are per example, scratchpads and weight reorders are not). Convolutions whose kernel follows a
+the plan's batch and one more example; the difference is the per-example part (reorders of the
+activations, scaled with the image's area at other sizes), the rest is fixed (scratchpads, weight
+reorders). Convolutions whose kernel follows a
 formula (:func:`fxmem.graph.scratch.conv_formula`) are not measured. ``FXMEM_MEASURE_SCRATCH=0`` turns it off
 (counted as 0).
 """
@@ -163,9 +164,21 @@ def measured_scratch(target, args: Sequence, kwargs: dict, out: Any,
         known().update(measurements.measure({**{k: c for k, c in found.items() if k not in known()}, **todo}))
     at, *more = (sympy.Integer(known()[key]) for key in found)
     if more:  # a symbolic batch: the line through the plan's batch and one more example
-        batch = _batch(args)
-        return sympy.Max(0, at + (more[0] - at) * (dim_expr(batch) - _hint(batch)))
+        batch, per_example = _batch(args), more[0] - at
+        fixed = at - per_example * _hint(batch)
+        return sympy.Max(0, fixed + per_example * dim_expr(batch) * _area_ratio(args))
     return at
+
+
+def _area_ratio(args: Sequence) -> sympy.Expr:
+    """The call's first argument's spatial size (its dimensions after batch and channels) over
+    that size at the plan shape: per-example reorders grow with the image."""
+    first = value_of(args[0])
+    dims = list(first.shape[2:]) if isinstance(first, torch.Tensor) else []
+    plan = 1
+    for d in dims:
+        plan *= _hint(d)
+    return sympy.Mul(*[dim_expr(d) for d in dims], sympy.Integer(1)) / plan if plan else sympy.Integer(1)
 
 
 def _configs(target, args: Sequence) -> dict[str, Any]:
