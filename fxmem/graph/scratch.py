@@ -14,9 +14,11 @@ inputs and its outputs). Known:
   the generator's state (to restore it after drawing);
 - an optimizer's step in the backward (``step_in_backward``): the node carries its own, per byte
   of the gradient it takes (``meta["scratch_per_byte"]``);
-- CPU convolutions, forward and backward, of every shape class (depthwise, grouped, dilated,
-  transposed, 1D/2D/3D): measured per configuration, shapes and strides (:mod:`.measured`; oneDNN
-  picks a layout per shape and input layout, and its reorder buffers follow no formula).
+- CPU convolutions, forward and backward: by a formula per kernel path where one holds
+  (:func:`conv_formula`: THNN's im2col columns, oneDNN's depthwise kernels, its groups-1 forward),
+  else, for every other shape class (grouped, dilated, transposed, 1D/3D, bf16, the groups-1
+  backward), measured per configuration, shapes and strides (:mod:`.measured`; oneDNN picks a
+  layout and an implementation per shape and input layout).
 
 Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces; the CPU bf16
 matmul's packing buffers (a few hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).
