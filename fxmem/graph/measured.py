@@ -8,8 +8,11 @@ allocates 3x what it does on contiguous ones). So they are measured: the op at t
 strides on random data, in a fresh Python process (the allocator's
 events come from the profiler, and the caller may be profiling already), every configuration of a
 graph in one run, cached in memory and on disk, keyed by torch's version and the thread count
-(the child process and the cache file: :mod:`fxmem.measurements`). A dynamic batch scales the
-measurement linearly (reorder buffers are per example). ``FXMEM_MEASURE_SCRATCH=0`` turns it off
+(the child process and the cache file: :mod:`fxmem.measurements`). A symbolic batch: measured at
+the plan's batch and one more example; the difference is the per-example part (reorders of the
+activations, scaled with the image's area at other sizes), the rest is fixed (scratchpads, weight
+reorders). Convolutions whose kernel follows a
+formula (:func:`fxmem.graph.scratch.conv_formula`) are not measured. ``FXMEM_MEASURE_SCRATCH=0`` turns it off
 (counted as 0).
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import sympy
 import torch
@@ -43,28 +46,45 @@ def value_of(a: Any) -> Any:
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
-def _spec(a: Any) -> Any:
-    """An argument as JSON: a tensor as its shape and dtype at the plan shape."""
+def _spec(a: Any, batch: Any = None, extra: int = 0) -> Any:
+    """An argument as JSON: a tensor as its shape and dtype at the plan shape (``extra`` more
+    examples where its first dimension is the symbolic ``batch``)."""
     a = value_of(a)
     if isinstance(a, torch.Tensor):
-        spec = {"shape": [_hint(d) for d in a.shape], "dtype": str(a.dtype).removeprefix("torch.")}
+        shape = [_hint(d) for d in a.shape]
+        if extra and a.dim() and _same_symbol(a.shape[0], batch):
+            shape[0] += extra
+        spec = {"shape": shape, "dtype": str(a.dtype).removeprefix("torch.")}
         if not a.is_contiguous():  # a layout oneDNN reorders from (channels-last: ConvNeXt's depthwise convs)
             spec["stride"] = [_hint(d) for d in a.stride()]
         return spec
     if isinstance(a, (list, tuple)):
-        return [_spec(x) for x in a]
+        return [_spec(x, batch, extra) for x in a]
     if isinstance(a, torch.SymInt):
         return _hint(a)
     return a
 
 
-def _config(target, args: Sequence) -> tuple[str, Any] | None:
-    """(cache key, JSON config) of a call on CPU tensors, else None."""
+def _same_symbol(d: Any, batch: Any) -> bool:
+    return isinstance(d, torch.SymInt) and isinstance(batch, torch.SymInt) and d.node.expr == batch.node.expr
+
+
+def _batch(args: Sequence) -> torch.SymInt | None:
+    """The call's symbolic batch (its first argument's first dimension), None when static."""
+    first = value_of(args[0]) if args else None
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+    return batch if isinstance(batch, torch.SymInt) and _hint(batch) > 0 else None
+
+
+def _config(target, args: Sequence, extra: int = 0) -> tuple[str, Any] | None:
+    """(cache key, JSON config) of a call on CPU tensors (``extra`` more examples in its batch),
+    else None."""
     first = value_of(args[0]) if args else None
     if not (isinstance(first, torch.Tensor) and first.device.type == "cpu"):
         return None
+    batch = _batch(args)
     config = {"op": target._schema.name.split("::")[1], "overload": target._overloadname,
-              "args": [_spec(a) for a in args]}
+              "args": [_spec(a, batch, extra) for a in args]}
     key = json.dumps([torch.__version__, torch.get_num_threads(), config], sort_keys=True)
     return key, config
 
@@ -127,23 +147,43 @@ def known() -> dict[str, int]:
     return {k: v for k, v in found.items() if k not in bad}
 
 
-def measured_scratch(target, args: Sequence, kwargs: dict, out: Any) -> sympy.Expr:
+def measured_scratch(target, args: Sequence, kwargs: dict, out: Any,
+                     covered: Callable[[Any, Sequence], bool] | None = None) -> sympy.Expr:
     """Temporary bytes of a :data:`MEASURED` op on CPU, measured (and, for a call in a graph,
-    every other such call of that graph with it)."""
+    every other such call of that graph with it that ``covered`` does not say a formula covers)."""
     if kwargs or not measurements.enabled():
         return sympy.Integer(0)
-    found = _config(target, args)
-    if found is None:
+    found = _configs(target, args)
+    if not found:
         return sympy.Integer(0)
-    key, _ = found
-    if key not in known():
+    if any(key not in known() for key in found):
         graph = next((a.graph for a in args if isinstance(a, fx.Node)), None)
-        calls = [(n.target, n.args) for n in graph.nodes if n.target in MEASURED] if graph else [(target, args)]
-        todo = dict(c for c in (_config(t, a) for t, a in calls) if c is not None and c[0] not in known())
-        known().update(measurements.measure({key: found[1], **todo}))
-    bytes_ = sympy.Integer(known()[key])
+        calls = ([(n.target, n.args) for n in graph.nodes if n.target in MEASURED
+                  and not (covered and covered(n.target, n.args))] if graph else [(target, args)])
+        todo = {k: c for t, a in calls for k, c in _configs(t, a).items() if k not in known()}
+        known().update(measurements.measure({**{k: c for k, c in found.items() if k not in known()}, **todo}))
+    at, *more = (sympy.Integer(known()[key]) for key in found)
+    if more:  # a symbolic batch: the line through the plan's batch and one more example
+        batch, per_example = _batch(args), more[0] - at
+        fixed = at - per_example * _hint(batch)
+        return sympy.Max(0, fixed + per_example * dim_expr(batch) * _area_ratio(args))
+    return at
+
+
+def _area_ratio(args: Sequence) -> sympy.Expr:
+    """The call's first argument's spatial size (its dimensions after batch and channels) over
+    that size at the plan shape: per-example reorders grow with the image."""
     first = value_of(args[0])
-    batch = first.shape[0] if first.dim() else 1
-    if isinstance(batch, torch.SymInt) and _hint(batch) > 0:  # per example
-        return bytes_ * dim_expr(batch) / _hint(batch)
-    return bytes_
+    dims = list(first.shape[2:]) if isinstance(first, torch.Tensor) else []
+    plan = 1
+    for d in dims:
+        plan *= _hint(d)
+    return sympy.Mul(*[dim_expr(d) for d in dims], sympy.Integer(1)) / plan if plan else sympy.Integer(1)
+
+
+def _configs(target, args: Sequence) -> dict[str, Any]:
+    """The configurations measured for a call: at the plan shape, and, where its batch is
+    symbolic, with one more example (oneDNN's reorders and scratchpads are partly per example,
+    partly fixed: a ResNet's strided convolutions)."""
+    found = [_config(target, args)] + ([_config(target, args, extra=1)] if _batch(args) is not None else [])
+    return dict(c for c in found if c is not None)

@@ -14,9 +14,11 @@ inputs and its outputs). Known:
   the generator's state (to restore it after drawing);
 - an optimizer's step in the backward (``step_in_backward``): the node carries its own, per byte
   of the gradient it takes (``meta["scratch_per_byte"]``);
-- CPU convolutions, forward and backward, of every shape class (depthwise, grouped, dilated,
-  transposed, 1D/2D/3D): measured per configuration, shapes and strides (:mod:`.measured`; oneDNN
-  picks a layout per shape and input layout, and its reorder buffers follow no formula).
+- CPU convolutions, forward and backward: by a formula per kernel path where one holds
+  (:func:`conv_formula`: THNN's im2col columns, oneDNN's depthwise kernels, its groups-1 forward),
+  else, for every other shape class (grouped, dilated, transposed, 1D/3D, bf16, the groups-1
+  backward), measured per configuration, shapes and strides (:mod:`.measured`; oneDNN picks a
+  layout and an implementation per shape and input layout).
 
 Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces; the CPU bf16
 matmul's packing buffers (a few hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).
@@ -31,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from .measured import MEASURED, measured_scratch, value_of
+from .measured import MEASURED, _hint, measured_scratch, value_of
 from .sizes import dim_expr, tensor_bytes
 
 aten = torch.ops.aten
@@ -171,6 +173,197 @@ def _has(a: dict, name: str) -> int:
     return int(a.get(name) is not None)
 
 
+# CPU convolutions (fp32, 2-D, not transposed, undilated): which kernel torch runs, and the
+# temporaries of the paths that follow a formula, measured with the profiler's allocator events on
+# a grid of kernels 1/3/5/7, strides 1/2, groups 1 and depthwise, 3-64 channels, batch 1-4, images
+# 8-16 px, contiguous and channels-last (tests/test_scratch.py asserts each formula against the
+# allocator). oneDNN's formulas hold on AVX-512 CPUs (its blocked layouts are 16 channels wide
+# there: a weight's reorder is padded to whole blocks), its groups-1 formulas on 16, 32 and 64
+# channels (48 took another implementation). Everywhere else, and for every call without a formula
+# (bf16, 1-D/3-D, dilated, transposed, grouped, 2x2/4x4 patch kernels, groups-1 backward, mixed
+# layouts: no formula held on the grid, oneDNN picks an implementation per shape), the
+# temporaries are measured at the plan shape instead (:mod:`.measured`).
+ONEDNN_BLOCK = 16  # channels per block of oneDNN's fp32 layouts on AVX-512
+
+
+def _hints(shape) -> list[int]:
+    return [_hint(d) for d in shape]
+
+
+def _channels_last(v: torch.Tensor) -> bool:
+    """``v`` (4-D) is in channels-last order and not also contiguous (torch's
+    ``suggest_memory_format``), read off the hints of its strides."""
+    n, c, h, w = _hints(v.shape)
+    want = {0: h * w * c, 1: 1, 2: w * c, 3: c}
+    cl = all(size == 1 or _hint(st) == want[i] for i, (size, st) in enumerate(zip((n, c, h, w), v.stride())))
+    return cl and not v.is_contiguous()
+
+
+def conv_path(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation, transposed: bool, groups: int) -> str:
+    """The CPU kernel torch 2.13 runs a float convolution on (``torch._C._select_conv_backend``,
+    ``aten/src/ATen/native/Convolution.cpp``'s ``use_mkldnn``): ``"mkldnn"`` (oneDNN), ``"slow2d"``
+    (THNN's im2col + gemm: small fp32 inputs of batch 1, or 1x1 kernels on one thread), or
+    ``"other"`` (paths without a formula here). Decided at the hints of symbolic sizes."""
+    if x.dim() != 4 or transposed or any(_hint(d) != 1 for d in dilation):
+        return "other"
+    if x.dtype != torch.float32:
+        return "mkldnn" if x.dtype == torch.bfloat16 else "other"
+    n, *_ = xs = _hints(x.shape)
+    kh, kw = _hints(w.shape)[-2:]
+    strided = any(_hint(s) != 1 for s in stride)
+    numel = xs[0] * xs[1] * xs[2] * xs[3]
+    if ((strided or n >= 16 or kh != 1 or kw != 1 or torch.get_num_threads() > 1)
+            and (groups > 1 or (kh > 3 and kw > 3) or n > 1 or numel > 20480)):
+        return "mkldnn"
+    return "slow2d"
+
+
+def _out_dim(d, k: int, s: int, p: int) -> sympy.Expr:
+    return sympy.floor((dim_expr(d) + 2 * p - k) / s) + 1
+
+
+def _conv_slow2d(x, w, stride, padding, groups, weight_pass: bool, forward: bool,
+                 input_pass: bool) -> sympy.Expr | None:
+    """THNN's ``slow_conv2d``: the im2col ``columns`` of the whole batch, ``N x (C/g * kh * kw) x
+    (Ho * Wo)`` elements, built by the forward and by the weight gradient (none for a 1x1 kernel of
+    stride 1 without padding: the input is its own column matrix); the input gradient needs none.
+    A channels-last input: the weight is copied to channels-last first (unless it already is: a
+    1x1 kernel). Measured: exactly this on every batch-1 case of the grid (8-64 channels, 3x3 and
+    1x1 kernels, strides 1 and 2)."""
+    if groups != 1:
+        return None
+    kh, kw = _hints(w.shape)[-2:]
+    (sh, sw), (ph, pw) = _hints(stride), _hints(padding)
+    columns = ZERO
+    if forward or weight_pass:
+        if (kh, kw, sh, sw, ph, pw) != (1, 1, 1, 1, 0, 0):
+            columns = (dim_expr(x.shape[0]) * dim_expr(x.shape[1]) * kh * kw * _out_dim(x.shape[2], kh, sh, ph)
+                       * _out_dim(x.shape[3], kw, sw, pw) * x.element_size())
+    copied = _channels_last(x) and kh * kw > 1 and (forward or weight_pass or input_pass)
+    return columns + (tensor_bytes(w) if copied else ZERO)
+
+
+def _blocks(c: int) -> int:
+    return -(-c // ONEDNN_BLOCK) * ONEDNN_BLOCK
+
+
+def _pow2_blocks(c: int) -> bool:
+    """``c`` is a power-of-two number of oneDNN blocks (16, 32, 64, ... channels: a groups-1
+    formula's domain, measured on 16-64)."""
+    return c >= ONEDNN_BLOCK and c % ONEDNN_BLOCK == 0 and (c // ONEDNN_BLOCK) & (c // ONEDNN_BLOCK - 1) == 0
+
+
+def _onednn_formulas() -> bool:
+    """Whether oneDNN's formulas apply here: the CPU capability they were measured on."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bool,
+                           bias: bool) -> sympy.Expr | None:
+    """oneDNN, depthwise (one input channel per group, as many outputs), channels-last input and
+    gradient (ConvNeXt's 7x7): the forward and the input gradient reorder only the weight, padded
+    to whole blocks of channels (``wp``: 3136 bytes for a 7x7 kernel on 3, 8 or 16 channels); the
+    weight gradient (computed whenever the weight's or the bias's is asked for) holds ``257 wb``
+    for 5x5 and 7x7 kernels, whatever the batch, image size, stride and thread count (1-4; oneDNN's
+    per-thread weight accumulators: 3.2 MB for a 7x7 on 64 channels, the largest temporary of a
+    ConvNeXt step) and ``2 wb`` for 3x3 (channels a whole number of blocks), plus the bias
+    gradient's bytes. A contiguous input: the forward reorders the input and the weight (their
+    bytes; channels a whole number of blocks); its backward follows no formula on the grid."""
+    kh, kw = _hints(w.shape)[-2:]
+    c = _hint(w.shape[0])
+    if kh != kw or kh not in (3, 5, 7):
+        return None
+    wb = tensor_bytes(w)
+    whole = c % ONEDNN_BLOCK == 0
+    if not _channels_last(x):
+        return tensor_bytes(x) + wb if forward and whole else None
+    if forward or not weight_pass:
+        return _blocks(c) * kh * kw * w.element_size()
+    if kh == 3 and not whole:
+        return None
+    return (2 if kh == 3 else 257) * wb + (dim_expr(w.shape[0]) * x.element_size() if bias else ZERO)
+
+
+def _conv_mkldnn_dense(x, w, stride, padding, masks: tuple[bool, bool, bool] | None) -> sympy.Expr | None:
+    """oneDNN, groups 1, the forward (``masks`` None), 3x3 and 7x7 kernels (and 1x1 of stride 1),
+    contiguous input, input and output channels a power-of-two number of blocks: it reorders the
+    input and the weight into blocked layouts and writes a blocked output it then copies,
+    ``max(xb + wb, ob)`` beyond the output (exact on the grid, and on a ResNet's convolutions at
+    batch 8). Not covered (measured): the backward (``max(wb, xb + ob)`` for the weight gradient on
+    batches 1-4, but 45 KB more at batch 8 with 32 channels, 16 px: oneDNN's per-thread partial
+    sums), the channels-last forward (``2 wb`` plus a per-thread scratchpad of ``4096 + 4120 *
+    threads`` bytes on 16-64 channels, but the reordered weight padded to 4/3 of it at 48 channels
+    on some image sizes)."""
+    kh, kw = _hints(w.shape)[-2:]
+    s = _hints(stride)
+    if masks is not None or _channels_last(x) or kh != kw or kh not in (1, 3, 7) or s[0] != s[1] or s[0] not in (1, 2):
+        return None
+    if not all(_pow2_blocks(_hint(c)) for c in (x.shape[1], w.shape[0])):
+        return None  # other implementations: no formula held on 3, 8, 24, 40 or 48 channels
+    k, s = kh, s[0]
+    if k == 1 and s != 1:
+        return None
+    p = _hints(padding)
+    ob = (dim_expr(x.shape[0]) * dim_expr(w.shape[0]) * _out_dim(x.shape[2], k, s, p[0])
+          * _out_dim(x.shape[3], k, s, p[1]) * x.element_size())
+    return sympy.Max(tensor_bytes(x) + tensor_bytes(w), ob)
+
+
+def conv_formula(target, args: Sequence) -> sympy.Expr | None:
+    """A CPU convolution's (or its backward's) temporary bytes by the formula of the kernel torch
+    runs it on, or None where no formula covers the call (then it is measured)."""
+    backward = target is aten.convolution_backward.default
+    if backward:
+        grad, x, w, bias_sizes, stride, padding, dilation, transposed, _, groups, masks = args
+        grad = value_of(grad)
+    else:
+        x, w, bias, stride, padding, dilation, transposed, _, groups = args
+    x, w = value_of(x), value_of(w)
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.device.type == "cpu"):
+        return None
+    groups, stride, padding, dilation = _hint(groups), [_hint(v) for v in stride], [_hint(v) for v in padding], \
+        [_hint(v) for v in dilation]
+    path = conv_path(x, w, stride, padding, dilation, transposed, groups)
+    if x.dtype != torch.float32 or path == "other":
+        return None
+    if backward:
+        masks = tuple(bool(m) for m in masks)
+        if not isinstance(grad, torch.Tensor) or _channels_last(grad) != _channels_last(x):
+            return None  # a gradient in another layout than its input: copied, not covered
+    if path == "mkldnn" and not _onednn_formulas():
+        return None
+    if path == "slow2d":
+        return _conv_slow2d(x, w, stride, padding, groups, forward=not backward,
+                            weight_pass=backward and masks[1], input_pass=backward and masks[0])
+    c, o = _hint(x.shape[1]), _hint(w.shape[0])
+    if groups == c == o and _hint(w.shape[1]) == 1:
+        return _conv_mkldnn_depthwise(x, w, stride, padding, forward=not backward,
+                                      weight_pass=backward and (masks[1] or masks[2]),
+                                      bias=backward and masks[2])
+    if groups == 1:
+        return _conv_mkldnn_dense(x, w, stride, padding, masks if backward else None)
+    return None
+
+
+def _convolution(target, args, kwargs, out) -> sympy.Expr:
+    """A CPU convolution's temporaries: its kernel's formula (:func:`conv_formula`), else measured."""
+    if not kwargs:
+        try:
+            found = conv_formula(target, args)
+        except (TypeError, ValueError):  # an argument list of another form: measured
+            found = None
+        if found is not None:
+            return sympy.sympify(found)
+    return measured_scratch(target, args, kwargs, out, covered=_covered)
+
+
+def _covered(target, args) -> bool:
+    try:
+        return conv_formula(target, args) is not None
+    except (TypeError, ValueError):
+        return False
+
+
 # Measured on CPU in fp32 and bf16 (tests/test_scratch.py): the fp32 casts of low-precision
 # inputs, ``x + bias`` before the GELU derivative (a block of rows at a time), fp32 copies of a
 # norm's weight, per-row sums.
@@ -196,7 +389,7 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
     run_with_rng_state: _run_with_rng_state,
     run_and_save_rng_state: _run_and_save_rng_state,
-    **{op: measured_scratch for op in MEASURED},
+    **{op: _convolution for op in MEASURED},
     **{name: _fxmem_cpu(f) for name, f in _FXMEM_KERNELS.items()},
 }
 
