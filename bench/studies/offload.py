@@ -75,7 +75,7 @@ def bert(batch=32, seq=128, d=128, layers=4, heads=2, seed=0) -> Workload:
 
 MODELS = {
     "bert": bert,
-    "llama": lambda: hf_llama(batch=8, seq=256, vocab=4096, d=128, layers=4, heads=2),
+    "llama": lambda: hf_llama(batch=8, seq=256, vocab=1024, d=128, layers=6, heads=2),
     "resnet": resnet,
 }
 
@@ -203,7 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--inner", default="eager,inductor")
-    ap.add_argument("--rounds", type=int, default=3, help="timed steps per configuration, interleaved")
+    ap.add_argument("--rounds", type=int, default=5, help="timed steps per configuration, interleaved")
     ap.add_argument("--name", default="offload")
     args = ap.parse_args()
     rows = []
