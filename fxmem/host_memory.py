@@ -101,13 +101,18 @@ def _span(shape, stride) -> int:
     return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
 
 
-def _host_stride(x: torch.Tensor) -> tuple[int, ...]:
-    """The strides of ``x``'s host copy: its own where they are dense (no element twice, no gap:
-    a saved activation's layout, channels-last included, kept), else contiguous (an expanded
-    tensor, which a saved-tensor hook may be given)."""
-    if not all(type(v) is int for v in (*x.shape, *x.stride())):  # traced: an op's own output, dense
-        return x.stride()
-    return x.stride() if _dense(x.shape, x.stride()) else torch.empty(x.shape, device="meta").stride()
+def dim_order(x: torch.Tensor) -> list[int]:
+    """``x``'s dimensions from the outermost in memory to the innermost, where its strides are
+    dense (a saved activation's layout, channels-last or transposed included); else (an expanded
+    tensor, which a saved-tensor hook may be given) the contiguous order. For a traced value,
+    symbolic strides are ordered by their values at the traced shape."""
+    def hint(v):
+        return v if type(v) is int else v.node.hint
+
+    shape, stride = [hint(v) for v in x.shape], [hint(v) for v in x.stride()]
+    if None in shape or None in stride or not _dense(shape, stride):
+        return list(range(x.dim()))
+    return sorted(range(x.dim()), key=lambda d: (-stride[d], d))
 
 
 def _dense(shape, stride) -> bool:
@@ -121,37 +126,53 @@ def _dense(shape, stride) -> bool:
     return True
 
 
-def _strided_like(base: torch.Tensor, like: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """``base``'s bytes viewed with ``like``'s dtype and size and ``stride`` (offset 0)."""
-    flat = base.view(like.dtype)
-    return flat.as_strided(like.shape, stride)
+def _empty(shape, order: list[int], dtype: torch.dtype, device, pin: Callable | None = None) -> torch.Tensor:
+    """A dense tensor of ``shape`` laid out in ``order`` (outermost dimension first): allocated
+    by ``pin(nbytes)`` (a uint8 buffer, from the pool) when given, else on ``device``."""
+    if sorted(order) != list(range(len(shape))):
+        raise ValueError(f"fxmem host copy: dimension order {order} is no permutation of {len(shape)} dimensions")
+    physical = [shape[d] for d in order]
+    if pin is None:
+        out = torch.empty(physical, dtype=dtype, device=device)
+    else:
+        numel = 1
+        for n in physical:
+            numel *= n
+        out = pin(numel * dtype.itemsize).view(dtype)[:numel].view(physical)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return out.permute(inverse)
 
 
+# The layout is an argument, the same for both ops and their fake kernels: what the forward hands
+# over and what the backward gets back have the strides the graph was traced with, whatever layout
+# the inner compiler gave the value (Inductor may store one transposed: the forward would then
+# copy the host tensor back to the device to return it in the traced layout).
 @torch.library.custom_op("fxmem::offload", mutates_args=())
-def offload(x: torch.Tensor) -> torch.Tensor:
-    """``x`` copied into a host buffer from the pool (same size, strides, dtype)."""
-    pinned, stride = x.is_cuda, _host_stride(x)
-    h = _POOL.take(_span(x.shape, stride) * x.element_size(), pinned, lambda buf: _strided_like(buf, x, stride))
+def offload(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``x`` copied into a host buffer from the pool, laid out in ``order`` (see :func:`dim_order`)."""
+    pinned = x.is_cuda
+    h = _POOL.take(x.numel() * x.element_size(), pinned,
+                   lambda buf: _empty(x.shape, order, x.dtype, "cpu", pin=lambda n: buf[:n]))
     h.copy_(x, non_blocking=pinned)
     return h
 
 
 @offload.register_fake
-def _(x):
-    return torch.empty_strided(x.shape, _host_stride(x), dtype=x.dtype, device="cpu")
+def _(x, order):
+    return _empty(x.shape, order, x.dtype, "cpu")
 
 
 @torch.library.custom_op("fxmem::reload", mutates_args=())
-def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``h`` (an offloaded activation) copied back into a new tensor on ``device``."""
-    out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+def reload(h: torch.Tensor, device: torch.device, order: list[int]) -> torch.Tensor:
+    """``h`` (an offloaded activation) copied back into a new tensor on ``device``, laid out in ``order``."""
+    out = _empty(h.shape, order, h.dtype, device)
     out.copy_(h, non_blocking=out.is_cuda)
     return out
 
 
 @reload.register_fake
-def _(h, device):
-    return torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+def _(h, device, order):
+    return _empty(h.shape, order, h.dtype, device)
 
 
 def save_on_host():
@@ -161,10 +182,11 @@ def save_on_host():
     its host copies, like fxmem's, are outside torch's allocator (``save_on_cpu`` itself copies
     CPU tensors into the allocator, so its "host" bytes would count as device bytes there)."""
     def pack(t: torch.Tensor):
-        return t.device, torch.ops.fxmem.offload(t)
+        order = dim_order(t)
+        return t.device, order, torch.ops.fxmem.offload(t, order)
 
     def unpack(packed) -> torch.Tensor:
-        device, h = packed
-        return torch.ops.fxmem.reload(h, device)
+        device, order, h = packed
+        return torch.ops.fxmem.reload(h, device, order)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

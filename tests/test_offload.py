@@ -20,7 +20,7 @@ import torch
 import fxmem
 from fxmem.graph.liveness import step_peak
 from fxmem.graph.reuse import reuse_dead_buffers
-from fxmem.host_memory import host_pool
+from fxmem.host_memory import dim_order, host_pool
 from fxmem.models import build
 from fxmem.options import resolve
 from fxmem.profiling import step_perf
@@ -46,8 +46,8 @@ from fxmem.testing.zoo import zoo_build
 ], ids=["contiguous", "transposed", "channels_last", "bf16", "int64", "expanded", "empty"])
 def test_offload_and_reload_copy_exactly(make):
     x = make()
-    h = torch.ops.fxmem.offload(x)
-    back = torch.ops.fxmem.reload(h, x.device)
+    h = torch.ops.fxmem.offload(x, dim_order(x))
+    back = torch.ops.fxmem.reload(h, x.device, dim_order(x))
     assert torch.equal(back, x) and back.dtype == x.dtype and back.shape == x.shape
     if 0 not in x.stride():  # dense layouts kept; an expanded tensor comes back contiguous
         assert back.stride() == x.stride() and h.stride() == x.stride()
@@ -56,17 +56,17 @@ def test_offload_and_reload_copy_exactly(make):
 
 def test_host_buffers_are_reused_and_not_counted_by_the_allocator():
     x = torch.randn(1024, 1024)  # 4 MiB
-    h = torch.ops.fxmem.offload(x)
+    h = torch.ops.fxmem.offload(x, [0, 1])
     held = host_pool().stats()
     del h
     gc.collect()
     with step_perf("cpu") as perf:
-        h = torch.ops.fxmem.offload(x)  # the same buffer, lent again
+        h = torch.ops.fxmem.offload(x, [0, 1])  # the same buffer, lent again
     assert perf.result.peak_bytes == 0  # host memory is not the allocator's (the device's) memory
     assert host_pool().stats().allocated == held.allocated and host_pool().stats().in_use >= x.nbytes
     assert torch.equal(h, x)
     with step_perf("cpu") as perf:
-        back = torch.ops.fxmem.reload(h, x.device)
+        back = torch.ops.fxmem.reload(h, x.device, [0, 1])
     assert perf.result.peak_bytes == x.nbytes and torch.equal(back, x)
 
 

@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, 
 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
 from ..graph.module import graph_module
-from ..host_memory import OFFLOAD_TAG
+from ..host_memory import OFFLOAD_TAG, dim_order
 from .allowlist import is_view
 from .replay import bind_states
 
@@ -63,10 +63,11 @@ def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> 
 
 
 def _host_meta(node: fx.Node) -> dict:
-    """``node``'s meta for its copy in host memory: the value on the CPU, tagged host."""
+    """``node``'s meta for its copy in host memory: the value on the CPU as ``fxmem::offload``
+    makes it, tagged host."""
     val = node.meta["val"]
     with val.fake_mode:
-        host = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
+        host = torch.ops.fxmem.offload(val, dim_order(val))
     return {**node.meta, "val": host, OFFLOAD_TAG: True}
 
 
@@ -91,9 +92,11 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
     def value(n: fx.Node) -> fx.Node:
         if n not in env and n in held:  # the first read: copied back here
             val = n.meta["val"]
-            env[n] = graph.create_node("call_function", torch.ops.fxmem.reload.default, (held[n], val.device),
-                                       name=n.name)
-            env[n].meta = dict(n.meta)
+            order = dim_order(val)
+            env[n] = graph.create_node("call_function", torch.ops.fxmem.reload.default,
+                                       (held[n], val.device, order), name=n.name)
+            with val.fake_mode:
+                env[n].meta = {**n.meta, "val": torch.ops.fxmem.reload(held[n].meta["val"], val.device, order)}
         return env[n]
 
     needed = ancestors([*outputs, *effects], stop=set(inputs)) - set(inputs)
@@ -103,8 +106,8 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
         env[node] = graph.node_copy(node, value)
     for node in [o for o in outputs if isinstance(o, fx.Node) and o in host and o not in held]:
         with graph.inserting_after(env[node]):
-            copy = graph.create_node("call_function", torch.ops.fxmem.offload.default, (env[node],),
-                                     name=f"{node.name}_host")
+            copy = graph.create_node("call_function", torch.ops.fxmem.offload.default,
+                                     (env[node], dim_order(node.meta["val"])), name=f"{node.name}_host")
         copy.meta = _host_meta(node)
         env[node] = copy
     out = graph.output(tuple(value(o) if isinstance(o, fx.Node) else o for o in outputs))
