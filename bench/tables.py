@@ -776,7 +776,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("<= 0.25", lambda r: "yes" if r["met"] else "no", number=False),
              Column("phase", "phase", number=False), Column("fused loss", "fused_loss", number=False))),)),
     Spec("offload", ("model", "inner", "config"), title=lambda res: "Keep, recompute or offload (issue #58)",
-         note="Exact allocator peak of the third step; median step time of 5 more steps per configuration taken in "
+         note="Exact allocator peak of the third step; median step time of 3 more steps per configuration taken in "
               "interleaved rounds with the other configurations of the model (`bench/studies/offload.py`), CPU, two"
               " threads. seed: the seed documents' recipe in eager PyTorch (HF gradient checkpointing where the "
               "model supports it, with save_on_cpu's hooks). recompute-only: fxmem memory_budget=0.0 (the least "

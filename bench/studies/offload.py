@@ -53,12 +53,27 @@ BUDGET = 0.8  # of the least recompute-only peak (issue #58)
 SEED = 0.95  # offload@seed's peak_budget: this much of the seed's recipe's measured peak
 
 
-def resnet(batch=16, size=64, seed=0) -> Workload:
-    """An HF ResNet (basic blocks, 4 stages of 2, widths 32-256, BatchNorm in training mode)."""
-    from fxmem.testing.zoo import _hf, _images
+class ConvStack(torch.nn.Module):
+    """A plain PyTorch conv net: ``depth`` conv-BatchNorm-ReLU blocks at one resolution (BatchNorm
+    in training mode: running stats updated), global average pooling, a linear classifier."""
 
-    return _hf("resnet", "ResNetForImageClassification", _images(batch, size, 10, seed), seed, embedding_size=32,
-               hidden_sizes=[32, 64, 128, 256], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10)
+    def __init__(self, width: int = 16, depth: int = 8, classes: int = 10):
+        super().__init__()
+        from fxmem.testing.zoo import _conv_bn
+
+        self.features = torch.nn.Sequential(_conv_bn(3, width), *[_conv_bn(width, width) for _ in range(depth - 1)])
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.features(pixel_values).mean((2, 3))), labels)
+
+
+def convnet(batch=16, size=64, seed=0) -> Workload:
+    """:class:`ConvStack` on 64 px images: eight layers' activations, 66k parameters."""
+    from fxmem.testing.zoo import _images
+
+    torch.manual_seed(seed)
+    return Workload("convnet", ConvStack(), _images(batch, size, 10, seed), lambda out: out)
 
 
 def bert(batch=32, seq=128, d=128, layers=4, heads=2, seed=0) -> Workload:
@@ -76,7 +91,7 @@ def bert(batch=32, seq=128, d=128, layers=4, heads=2, seed=0) -> Workload:
 MODELS = {
     "bert": bert,
     "llama": lambda: hf_llama(batch=8, seq=256, vocab=1024, d=128, layers=6, heads=2),
-    "resnet": resnet,
+    "convnet": convnet,
 }
 
 
@@ -205,8 +220,15 @@ def main() -> None:
     ap.add_argument("--inner", default="eager,inductor")
     ap.add_argument("--rounds", type=int, default=5, help="timed steps per configuration, interleaved")
     ap.add_argument("--name", default="offload")
+    ap.add_argument("--keep", action="store_true", help="keep the results file's rows of the models not measured")
     args = ap.parse_args()
     rows = []
+    if args.keep:
+        import results_format
+
+        old = results_format.read(Path(harness.RESULTS) / f"{args.name}.json")
+        rows = [r for r in (results_format.unflatten(x) for x in old.records().values())
+                if r.get("model") in MODELS and r["model"] not in args.models.split(",")]
     for name in args.models.split(","):
         rows += measure(name, args.inner.split(","), args.rounds)
     harness.write(args.name, rows, meta=common.metadata(), spec="offload")
