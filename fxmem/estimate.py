@@ -327,22 +327,39 @@ def _meta_over_composite() -> tuple:
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def _flash_takes_3d() -> bool:
+    """Whether this torch's CPU runs unbatched ([heads, length, dim]) attention with its flash
+    kernel: torch 2.14 does, 2.13 does not. Asked once, at import (not while Dynamo traces)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        q = torch.zeros(2, 4, 16)
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, None, 0.0, False)) == SDPBackend.FLASH_ATTENTION
+    except Exception:  # noqa: BLE001 - a torch without the query: the 4-d rule alone
+        return False
+
+
+_FLASH_3D = _flash_takes_3d()
+
+
 def cpu_runs_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                    dropout_p: float, enable_gqa: bool) -> bool:
     """Whether torch 2.13's CPU runs ``F.scaled_dot_product_attention`` of these arguments with
     its flash kernel (``torch._fused_sdp_choice`` on CPU; tests/test_estimate.py checks the two
-    agree over a grid): [batch, heads, length, dim] inputs of one float dtype, one head size, no
+    agree over a grid): [batch, heads, length, dim] inputs (or [heads, length, dim] where this
+    torch takes those: 2.14) of one float dtype, one head size, no
     dropout, as many query heads as key heads (or a multiple, with ``enable_gqa``), a 2-d or 4-d
     mask, bool or of the inputs' dtype, without a gradient (T5's position bias has one: math path;
     a True answer always agrees with torch's). Plain Python
     over shapes and dtypes, so that Dynamo traces it."""
-    if any(t.dim() != 4 for t in (query, key, value)) or query.dtype not in _FLASH_DTYPES:
+    dims = {t.dim() for t in (query, key, value)}
+    if not (dims == {4} or (dims == {3} and _FLASH_3D)) or query.dtype not in _FLASH_DTYPES:
         return False
     if key.dtype != query.dtype or value.dtype != query.dtype or dropout_p != 0:
         return False
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or key.shape[1] != value.shape[1]:
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or key.shape[-3] != value.shape[-3]:
         return False
-    heads, kv_heads = query.shape[1], key.shape[1]
+    heads, kv_heads = query.shape[-3], key.shape[-3]
     if heads != kv_heads and not (enable_gqa and heads % kv_heads == 0):
         return False
     return attn_mask is None or (attn_mask.dtype in (torch.bool, query.dtype) and attn_mask.dim() in (2, 4)

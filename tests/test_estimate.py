@@ -169,7 +169,7 @@ def test_cpu_runs_flash_agrees_with_torch():
     wherever the rule says flash, and says flash for every case HF models give it."""
     from torch.nn.attention import SDPBackend
 
-    from fxmem.estimate import cpu_runs_flash
+    from fxmem.estimate import _FLASH_3D, cpu_runs_flash
 
     q = torch.zeros(2, 8, 4, 16)
     kv2, kv3 = torch.zeros(2, 2, 4, 16), torch.zeros(2, 3, 4, 16)
@@ -180,7 +180,8 @@ def test_cpu_runs_flash_agrees_with_torch():
         (q, q, q, torch.ones(2, 1, 4, 4, dtype=torch.bool), 0.0, False, True),
         (q, q, q, torch.zeros(4, 4), 0.0, False, True),
         (q, q, q, torch.zeros(1, 4, 4), 0.0, False, False), (q, q, q, None, 0.1, False, False),
-        (q, q, torch.zeros(2, 8, 4, 32), None, 0.0, False, False), (q[0], q[0], q[0], None, 0.0, False, False),
+        (q, q, torch.zeros(2, 8, 4, 32), None, 0.0, False, False),
+        (q[0], q[0], q[0], None, 0.0, False, _FLASH_3D),  # unbatched: flash from torch 2.14 on
         (q, q, q, torch.zeros(1, 8, 4, 4, requires_grad=True), 0.0, False, False),  # T5's learned position bias
     ]
     for i, (a, b, c, m, p, gqa, expected) in enumerate(cases):
