@@ -94,13 +94,6 @@ def host_pool() -> HostPool:
     return _POOL
 
 
-def _span(shape, stride) -> int:
-    """Elements from a tensor's first to one past its last (its strides' extent)."""
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
-
-
 def dim_order(x: torch.Tensor) -> list[int]:
     """``x``'s dimensions from the outermost in memory to the innermost, where its strides are
     dense (a saved activation's layout, channels-last or transposed included); else (an expanded

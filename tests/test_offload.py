@@ -24,12 +24,12 @@ from fxmem.host_memory import dim_order, host_pool
 from fxmem.models import build
 from fxmem.options import resolve
 from fxmem.profiling import step_perf
-from fxmem.remat import partition
 from fxmem.remat.context import PlanContext
 from fxmem.remat.offload import offloadable
 from fxmem.remat.settings import EAGER
 from fxmem.remat.split import split
 from fxmem.remat.steppeak import StepPeak
+from fxmem.testing.offload import kept_on_device
 from fxmem.testing.zoo import zoo_build
 
 # --- the host copies ------------------------------------------------------------------------------
@@ -107,17 +107,6 @@ def test_simulated_peak_with_offload_equals_the_split_graphs(make):
 
 
 # --- whole steps ----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _without_offload():
-    """The same plans, the offloaded values kept on the device (the split is told none)."""
-    real = partition.split
-    partition.split = lambda joint, saved, input_views=True, offloaded=(): real(joint, saved, input_views)
-    try:
-        yield
-    finally:
-        partition.split = real
 
 
 def _run(w, options: dict, steps: int = 2, batches=None, autocast: bool = False) -> dict:
@@ -199,7 +188,7 @@ def test_offload_gives_the_same_plans_results_bit_for_bit(inner):
     options = {"inner": inner, "offload": True}
     with _threads(1 if inner == "inductor" else torch.get_num_threads()):
         with_host = _run(w, options)
-        with _without_offload():
+        with kept_on_device():
             kept = _run(w, options)
     assert sum(len(g.offloaded) for g in with_host["report"].graphs) > 0
     assert with_host["warned"] == []
@@ -211,7 +200,7 @@ def test_offload_under_autocast_with_batchnorm_and_changing_shapes():
     other = {k: torch.cat([v, v[:1]]) for k, v in w.batch.items()}  # batch 3, then 2, then 3
     options = {"inner": "eager", "offload": True}
     runs = []
-    for ctx in (contextlib.nullcontext(), _without_offload()):
+    for ctx in (contextlib.nullcontext(), kept_on_device()):
         with ctx:
             runs.append(_run(w, options, batches=[other, w.batch, other], autocast=True))
     assert any(g.offloaded for g in runs[0]["report"].graphs)
@@ -252,7 +241,7 @@ def test_offload_with_the_optimizer_step_in_the_backward():
         return model, fxmem.report(fn)
 
     model, rep = train()
-    with _without_offload():
+    with kept_on_device():
         kept, _ = train()
     assert any(g.offloaded for g in rep.graphs) and all(p.grad is None for p in model.parameters())
     for (n, a), b in zip(model.named_parameters(), kept.parameters()):

@@ -46,7 +46,7 @@ import fxmem  # noqa: E402  (registers the backend)
 from fxmem.host_memory import save_on_host  # noqa: E402
 from fxmem.models import Workload, hf_llama  # noqa: E402
 from fxmem.profiling import step_perf  # noqa: E402
-from fxmem.remat import partition  # noqa: E402
+from fxmem.testing.offload import kept_on_device  # noqa: E402
 
 MiB = 2**20
 BUDGET = 0.8  # of the least recompute-only peak (issue #58)
@@ -95,17 +95,6 @@ MODELS = {
 }
 
 
-@contextlib.contextmanager
-def _without_offload():
-    """The split keeps every offloaded value on the device: the same plan, no host copies."""
-    split = partition.split
-    partition.split = lambda joint, saved, input_views=True, offloaded=(): split(joint, saved, input_views)
-    try:
-        yield
-    finally:
-        partition.split = split
-
-
 def _prepared(w: Workload, model, fn, hooks=None) -> tuple[dict, Callable[[], float]]:
     """Two warm-up steps (the first compiles), then one whose peak, loss, gradients and buffers
     are kept; and a timer of one more step (timed later, interleaved with the other configurations)."""
@@ -134,7 +123,7 @@ def _fxmem(w: Workload, inner: str, options: dict, no_offload: bool = False) -> 
     torch._dynamo.reset()
     model = copy.deepcopy(w.model)
     fn = torch.compile(model, backend="fxmem", options={"inner": inner, **options})
-    same = _without_offload() if no_offload else contextlib.nullcontext()
+    same = kept_on_device() if no_offload else contextlib.nullcontext()
     with warnings.catch_warnings(record=True) as caught, same:
         warnings.simplefilter("always")
         r, timer = _prepared(w, model, fn)
