@@ -205,6 +205,34 @@ def test_proven_matches_alone_are_applied_without_comparing_plans(monkeypatch):
     assert {r.pattern for r in report.lowerings} == {"rms_norm"}
 
 
+def test_under_a_peak_budget_the_fused_kernels_run_only_where_the_cap_needs_them(monkeypatch):
+    """A peak budget asks for the fastest plan under a cap, and a fused kernel's time is what the
+    cost model does not price: the proven matches (the norms) are compared too, left alone where
+    the plan without them meets the cap (the report says so; the step is the unlowered one), kept
+    where only the plan with them does (forced here: the unfused plan's estimate doubled)."""
+    import fxmem.remat.partition as partition
+
+    ids, cap = torch.randint(0, 256, (2, 32)), 10**9
+    torch._dynamo.reset()
+    off, _ = _measured(_tied_llama(), {"level": 1, "lowering": False, "peak_budget": cap}, ids)
+    torch._dynamo.reset()
+    met, report = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY, "peak_budget": cap}, ids)
+    assert report.lowerings == []
+    notes = [n for n in report.lowering_notes if "not applied: the plan without it meets the peak budget" in n]
+    assert sorted(n.split(" at ")[0] for n in notes) == ["left alone: rms_norm"] * 5, report.lowering_notes
+    assert met == off
+    planned, calls = partition.candidate_peak, []
+
+    def unfused_peaks_higher(candidate):  # the partitioner plans the lowered graph first
+        calls.append(candidate)
+        return planned(candidate) * (1 if len(calls) % 2 == 1 else 10**4)
+
+    monkeypatch.setattr(partition, "candidate_peak", unfused_peaks_higher)
+    torch._dynamo.reset()
+    _, report = _measured(_tied_llama(), {"level": 1, "lowering": PROVEN_ONLY, "peak_budget": cap}, ids)
+    assert len(calls) == 2 and {r.pattern for r in report.lowerings} == {"rms_norm"}
+
+
 @pytest.mark.slow
 def test_default_lowering_decides_the_loss_and_swiglu_without_comparing_plans(monkeypatch):
     """Default options: the fused loss at a logits-to-gradients ratio from ``CE_PROVEN_FROM`` on

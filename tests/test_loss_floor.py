@@ -214,7 +214,7 @@ def fused_when_compared(monkeypatch):
     """The compared fused loss kept whatever the plans' peaks (autocast compares it)."""
     from fxmem.remat import partition
 
-    monkeypatch.setattr(partition, "choose", lambda fused, without: (fused, None))
+    monkeypatch.setattr(partition, "choose", lambda fused, without, cap=None: (fused, None))
 
 
 def test_under_bf16_autocast(fused_when_compared):

@@ -41,7 +41,7 @@ def _lowering_always_applies(monkeypatch):
     from fxmem.lowering import patterns
     from fxmem.remat import partition
 
-    monkeypatch.setattr(partition, "choose", lambda fused, without: (fused, None))
+    monkeypatch.setattr(partition, "choose", lambda fused, without, cap=None: (fused, None))
     monkeypatch.setattr(patterns, "CE_FUTILE_BELOW", 0.0)
     monkeypatch.setattr(patterns, "GLU_FUTILE", "")
 

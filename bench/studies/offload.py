@@ -1,7 +1,7 @@
 """Keep, recompute or offload (issue #58): fxmem's ``offload`` against recompute alone and against
 the seed's recipe, on three models whose activations dominate their step.
 
-    python bench/studies/offload.py --models bert,llama,resnet --inner eager,inductor
+    python bench/studies/offload.py --models bert,llama,convnet --inner eager,inductor
     # writes bench/results/offload.{json,md}
 
 Per model and inner compiler, one run, side by side: exact allocator peaks of the third step (the
@@ -18,7 +18,9 @@ falls on every configuration alike:
 - ``offload@seed``: ``peak_budget`` = 0.95 x the seed's measured peak, ``offload=True``: the least
   modelled time below the seed's peak;
 - ``seed``: the seed documents' recipe in eager PyTorch: Hugging Face gradient checkpointing
-  (where the model supports it) with ``torch.autograd.graph.save_on_cpu``'s hooks. On these
+  (a plain model: ``torch.utils.checkpoint`` around each block, as HF wraps each layer) with
+  ``torch.autograd.graph.save_on_cpu``'s hooks; ``save_on_cpu alone``: the hooks without
+  checkpointing (every saved tensor to host memory: the least peak, the most copies). On these
   CPU-only machines both fxmem's host copies and the seed's come from the same host pool
   (``fxmem.host_memory``: numpy buffers, outside torch's allocator), so the allocator's peak is
   the device's for both.
@@ -53,24 +55,9 @@ BUDGET = 0.8  # of the least recompute-only peak (issue #58)
 SEED = 0.95  # offload@seed's peak_budget: this much of the seed's recipe's measured peak
 
 
-class ConvStack(torch.nn.Module):
-    """A plain PyTorch conv net: ``depth`` conv-BatchNorm-ReLU blocks at one resolution (BatchNorm
-    in training mode: running stats updated), global average pooling, a linear classifier."""
-
-    def __init__(self, width: int = 16, depth: int = 8, classes: int = 10):
-        super().__init__()
-        from fxmem.testing.zoo import _conv_bn
-
-        self.features = torch.nn.Sequential(_conv_bn(3, width), *[_conv_bn(width, width) for _ in range(depth - 1)])
-        self.head = torch.nn.Linear(width, classes)
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.head(self.features(pixel_values).mean((2, 3))), labels)
-
-
 def convnet(batch=16, size=64, seed=0) -> Workload:
     """:class:`ConvStack` on 64 px images: eight layers' activations, 66k parameters."""
-    from fxmem.testing.zoo import _images
+    from fxmem.testing.zoo import ConvStack, _images
 
     torch.manual_seed(seed)
     return Workload("convnet", ConvStack(), _images(batch, size, 10, seed), lambda out: out)
@@ -133,13 +120,33 @@ def _fxmem(w: Workload, inner: str, options: dict, no_offload: bool = False) -> 
     return r, timer
 
 
-def _seed(w: Workload) -> tuple[dict, Callable[[], float]]:
+class _Checkpointed(torch.nn.Module):
+    """One block of a plain PyTorch model under ``torch.utils.checkpoint`` (non-reentrant), as
+    Hugging Face's gradient checkpointing wraps each layer."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def _seed(w: Workload, checkpointing: bool = True) -> tuple[dict, Callable[[], float]]:
+    """The seed's recipe: checkpointing (HF's where the model has it, else ``torch.utils.checkpoint``
+    around each block of a plain model's ``features`` stack) with save_on_cpu's hooks; without
+    ``checkpointing``, save_on_cpu alone (every saved tensor to host memory)."""
     model = copy.deepcopy(w.model)
-    ckpt = bool(getattr(model, "supports_gradient_checkpointing", False))
-    if ckpt:
+    recipe = "save_on_cpu alone"
+    if checkpointing and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recipe = "HF checkpointing + save_on_cpu"
+    elif checkpointing:
+        for i, block in enumerate(model.features):
+            model.features[i] = _Checkpointed(block)
+        recipe = "torch.utils.checkpoint per block + save_on_cpu"
     r, timer = _prepared(w, model, model, hooks=save_on_host)
-    r["recipe"] = "HF checkpointing + save_on_cpu" if ckpt else "save_on_cpu (no HF checkpointing for this model)"
+    r["recipe"] = recipe
     return r, timer
 
 
@@ -173,6 +180,8 @@ def measure(name: str, inners: list[str], rounds: int) -> list[dict]:
 
     seed, timer = _seed(w)
     add("eager", "seed", seed, timer, recipe=seed["recipe"])
+    alone, timer = _seed(w, checkpointing=False)
+    add("eager", "save_on_cpu alone", alone, timer, recipe=alone["recipe"])
     for inner in inners:
         add(inner, "recompute-only", *_fxmem(w, inner, {"memory_budget": 0.0}))
         options = {"peak_budget": int(BUDGET * runs[inner, "recompute-only"][0]["peak"]), "offload": True}

@@ -90,6 +90,7 @@ class Lowered:
     per_example: bool         # inside a vmap region
     note: str = ""
     proven: bool = False      # never raises the planned peak (patterns.Match.proven)
+    compared: bool = False    # marked for the partitioner's comparison (kept only if it wins)
 
 
 @dataclass
@@ -116,18 +117,16 @@ class Lowering:
         """The same graph with none of its matches applied, each left alone for ``why``."""
         return Lowering([], [(x.pattern, x.node, why) for x in self.lowered] + self.skipped)
 
-    def unproven(self) -> list[Lowered]:
-        return [x for x in self.lowered if not x.proven]
-
-    def declined_unproven(self, why: str) -> "Lowering":
-        """Only the proven matches applied; the others left alone for ``why``."""
-        return Lowering([x for x in self.lowered if x.proven],
-                        [(x.pattern, x.node, why) for x in self.unproven()] + self.skipped)
+    def declined_compared(self, why: str) -> "Lowering":
+        """Only the matches applied as they are; the compared ones left alone for ``why``."""
+        return Lowering([x for x in self.lowered if not x.compared],
+                        [(x.pattern, x.node, why) for x in self.lowered if x.compared] + self.skipped)
 
 
 def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str, bool],
           proven_only: bool = False, decline_futile: bool = False,
-          compare: bool = False, reattach: bool = False) -> tuple[fx.GraphModule, Lowering]:
+          compare: bool = False, compare_proven: bool = False,
+          reattach: bool = False) -> tuple[fx.GraphModule, Lowering]:
     """``gm`` with every enabled pattern replaced by its fused call (a copy: ``gm`` itself is left
     as it is, for a fallback compile), and what was done. ``lowering`` (the option): True (all),
     False (none) or a dict pattern -> bool (patterns not named stay on). ``proven_only``: only the
@@ -135,7 +134,8 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
     ``decline_futile``: matches that cannot lower it (:attr:`patterns.Match.futile`) are left
     alone, with that reason, unless ``lowering`` asks for their pattern by name (or is True);
     ``compare``: the matches neither proven nor futile are marked for the partitioner's
-    comparison (:mod:`.splice`; their regions in ``Lowering.regions``), except inside a vmap
+    comparison (:mod:`.splice`; their regions in ``Lowering.regions``), the proven ones too with
+    ``compare_proven`` (a peak budget: see :mod:`.decide`), except inside a vmap
     region of a graph that is differentiated again: applied as they are there (where a fused
     backward is differentiated again, the backend compiles the graph unlowered); ``reattach``:
     logits returned beside a fused loss become non-differentiable outputs, the graph's outputs
@@ -169,10 +169,13 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
             elif isinstance(found, Match) and (found.proven or not proven_only):
-                marked = compare and not found.proven and found.output not in ctx.region  # (vmap: as is)
+                marked = (compare and (compare_proven or not found.proven)
+                          and found.output not in ctx.region)  # (vmap: as is)
                 if marked and not splice.markable(found):
-                    result.skipped.append((found.pattern, found.output.name, UNCOMPARED))
-                    continue
+                    if not found.proven:
+                        result.skipped.append((found.pattern, found.output.name, UNCOMPARED))
+                        continue
+                    marked = False  # proven: applied as it is
                 result.lowered.append(_apply(graph, found, ctx, erased, result.regions if marked else None))
     splice.locate(result.regions, graph, order)
     if not result.lowered:
@@ -235,4 +238,4 @@ def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set, regions: list |
         if not n.users:
             graph.erase_node(n)
             erased.add(n)
-    return Lowered(m.pattern, name, saved, region is not None, m.note, m.proven)
+    return Lowered(m.pattern, name, saved, region is not None, m.note, m.proven, regions is not None)

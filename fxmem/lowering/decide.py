@@ -8,6 +8,12 @@ once, and the partitioner plans the joint graph with them fused and with the ops
 spliced back, keeping them only where the fused plan peaks lower (the report says why
 otherwise; a tie is declined: the fused kernels' own buffers are the estimate's least certain
 part). A graph nobody differentiates has no partitioner: there they are applied unmarked.
+
+Under a peak budget (``peak_budget``, ``fit``) the proven matches are compared too, and the plan
+without them is kept wherever it meets the cap: a budget asks for the fastest plan under a peak,
+and a fused kernel's time is what the cost model does not price (the CPU attention kernel
+recomputes its probabilities in its backward, slice by slice; Inductor fuses the ops it would
+replace), so once the cap is met the inner compiler's own ops run.
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ class Decision:
     def outcome(self, declined: str | None) -> Lowering:
         """What was lowered once the partitioner compared: ``declined``, why the compared matches
         were not kept (None: they were)."""
-        return self.lowering if declined is None else self.lowering.declined_unproven(declined)
+        return self.lowering if declined is None else self.lowering.declined_compared(declined)
 
 
 def decide(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> Decision:
     """The graph to compile and what was lowered."""
+    capped = options.peak_budget is not None or options.fit is not None
     lowered_gm, lowered = lower(gm, example_inputs, options.lowering, decline_futile=True,
-                                compare=_differentiated(example_inputs), reattach=True)
+                                compare=_differentiated(example_inputs), compare_proven=capped, reattach=True)
     if not lowered.regions:
         return Decision(lowered_gm, lowered)
     return Decision(lowered_gm, lowered, Compared({r.id: r for r in lowered.regions}))

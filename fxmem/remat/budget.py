@@ -36,7 +36,7 @@ from ..warn import warn
 from .candidate import SLACK, Candidate
 from .context import PlanContext
 from .mincut import CutProblem, frontier, saved_bytes
-from .offload import NONE, Offloaded, cheapest_with_offload, least_offload, least_peak_with_offload, to_bytes
+from .offload import NONE, Offloaded, cheapest_with_offload, least_peak_with_offload, to_bytes
 from .settings import PlanSettings
 from .split import Walk
 
@@ -256,9 +256,9 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
         chosen, what = _cheapest_under(scored, settings.peak_budget), f"peak budget {settings.peak_budget} bytes"
         if settings.offload:
             found = cheapest_with_offload(ctx, scored, settings.peak_budget)
-            if found is None:
-                moved, low = least_offload(ctx, lowest.saved, None)
-                lowest, chosen = replace(lowest, peak=low), None
+            if found is None:  # unmet: the least peak keeping, recomputing and offloading reach
+                low_c, moved, low = least_peak_with_offload(ctx, scored)
+                lowest, chosen = replace(low_c, peak=low), None
             else:
                 chosen, moved = found
                 chosen = replace(chosen, peak=ctx.peak(chosen.saved, frozenset(moved.nodes)))

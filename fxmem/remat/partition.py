@@ -139,7 +139,7 @@ def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, co
         unfused = None
     gm = compared.lowered(gm, settings.target)
     (fused, fused_warned), (without, without_warned) = (_attempt(g, num_fwd_outputs, settings) for g in (gm, unfused))
-    chosen, why = choose(fused, without)
+    chosen, why = choose(fused, without, settings.peak_budget)
     for w in (without_warned if chosen is without else fused_warned):
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if isinstance(chosen, Exception):
@@ -147,9 +147,11 @@ def compare(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings, co
     return (unfused if chosen is without else gm), chosen, why
 
 
-def choose(fused: Any, without: Any) -> tuple[Any, str | None]:
+def choose(fused: Any, without: Any, cap: int | None = None) -> tuple[Any, str | None]:
     """The candidate kept and why the fused one was not (None: it was); each is planned stages,
-    the exception planning raised, or None (no such candidate)."""
+    the exception planning raised, or None (no such candidate). With a peak budget ``cap``, the
+    candidate without the fused kernels wherever it meets the cap (:mod:`fxmem.lowering.decide`);
+    else the lower simulated peak."""
     if isinstance(fused, Exception):
         if without is None or isinstance(without, Exception):
             return fused, None
@@ -159,6 +161,8 @@ def choose(fused: Any, without: Any) -> tuple[Any, str | None]:
         return fused, None
     peaks = candidate_peak(fused), candidate_peak(without)
     log.debug("fxmem lowering: planned peak %s bytes with the compared patterns, %s without", *peaks)
+    if cap is not None and peaks[1] <= cap:
+        return without, f"not applied: the plan without it meets the peak budget ({peaks[1]:,} <= {cap:,} bytes)"
     if peaks[0] >= peaks[1]:
         return without, f"not applied: the plan with it peaks at {peaks[0]:,} bytes, not below {peaks[1]:,} without it"
     return fused, None

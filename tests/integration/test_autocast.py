@@ -257,7 +257,7 @@ def test_bf16_autocast_every_pattern_when_applied(name, monkeypatch):
     import fxmem.backend
     from fxmem.models import build
 
-    monkeypatch.setattr(fxmem.remat.partition, "choose", lambda fused, without: (fused, None))
+    monkeypatch.setattr(fxmem.remat.partition, "choose", lambda fused, without, cap=None: (fused, None))
     w = build(name, **LM)
     model, compiled_model = copy.deepcopy(w.model), copy.deepcopy(w.model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -284,7 +284,7 @@ def test_bf16_autocast_dropout_is_seeded_and_keeps_its_dtype(monkeypatch):
     this size): bf16 in, bf16 out, one mask for forward and backward."""
     import fxmem.backend
 
-    monkeypatch.setattr(fxmem.remat.partition, "choose", lambda fused, without: (fused, None))
+    monkeypatch.setattr(fxmem.remat.partition, "choose", lambda fused, without, cap=None: (fused, None))
     lin = nn.Linear(32, 32)
     x = torch.randn(16, 32)
     compiled = torch.compile(lambda x: F.dropout(lin(x), 0.5, training=True), backend="fxmem",
