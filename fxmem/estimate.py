@@ -211,13 +211,14 @@ def spec_for(source: str, dtype: torch.dtype) -> Spec:
 
 
 def plan(spec: Spec, level: int, batch: int, seq: int, dtype: torch.dtype, log: Callable[[str], None],
-         in_backward: str | None = None) -> Any:
+         in_backward: str | None = None, offload: bool = False) -> Any:
     """The report of ``level``'s plan (a ``LayerScaledReport`` for models deeper than the probes);
     ``in_backward``: the optimizer (an ``OPTIMIZERS`` name) whose step runs in the backward
-    (``step_in_backward``): its gradients die where they are made."""
+    (``step_in_backward``): its gradients die where they are made; ``offload``: the level's plan
+    with saved values in host memory where that lowers the peak (the ``offload`` option)."""
     import fxmem
 
-    options: dict[str, Any] = {"inner": "eager", "level": level}
+    options: dict[str, Any] = {"inner": "eager", "level": level, "offload": offload}
     if in_backward is not None:
         stepper = _in_backward_optimizer(in_backward)
         options["step_in_backward"] = stepper
@@ -415,11 +416,12 @@ def _seconds(s: float) -> str:
 
 def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str | int | None = None,
              optimizer: str = "adamw", dtype: str = "fp32", log: Callable[[str], None] = lambda s: None,
-             step_in_backward: bool = False) -> dict:
+             step_in_backward: bool = False, offload: bool = False) -> dict:
     """Predicted step peak, resident bytes and, given ``device``, the largest fitting batch at
     ``seq``, what stops the next batch (:func:`limit`) and the largest sequence at ``batch``
-    (text models) per level (see the module docstring); the dict ``--json`` prints, plus
-    ``"reports"`` (level -> report) for plotting."""
+    (text models) per level (see the module docstring); with ``offload``, each level's plan with
+    offload and the host bytes its step holds (``host_bytes``; the peaks are the device's); the
+    dict ``--json`` prints, plus ``"reports"`` (level -> report) for plotting."""
     if dtype not in DTYPES:
         raise ValueError(f"estimate: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if optimizer not in OPTIMIZERS:
@@ -440,7 +442,7 @@ def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str |
     log(f"{spec.name}: batch {batch}, {describe(shapes)}, {dtype}, optimizer {optimizer}; "
         f"{len(levels)} level{'s' if len(levels) > 1 else ''} to plan ({', '.join(map(str, levels))})")
     out: dict[str, Any] = {"peak_bytes": {}, "resident_bytes": None, "max_batch": {}, "limit": {}, "max_seq": {},
-                           "reports": {}}
+                           "host_bytes": {}, "reports": {}}
     took: list[float] = []
     for i, level in enumerate(levels):
         started = time.monotonic()
@@ -450,10 +452,12 @@ def estimate(source: str, batch: int, seq: int = 512, levels=(1,), device: str |
             # make a module's float attribute a graph input, which no lowering can take as its eps
             with fused_attention_on_meta(), composite_autograd_on_meta(), \
                     torch._dynamo.config.patch(specialize_float=True):
-                rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None)
+                rep = plan(spec, level, batch, seq, torch_dtype, log, optimizer if step_in_backward else None, offload)
         key = str(level)
         out["reports"][key] = rep
         out["peak_bytes"][key] = rep.predict_peak(**shapes)
+        if offload:
+            out["host_bytes"][key] = rep.host_bytes(**shapes)
         out["resident_bytes"] = rep.resident_bytes(opt)
         if cap is not None:
             best = rep.max_batch(cap, optimizer=opt, **shapes_at(1))  # (dimension 0 replaced by each batch)
@@ -502,19 +506,24 @@ def table(result: dict, device: str | None, batch: int | None = None) -> str:
     """The per-level rows, then (with ``device``) what limits each level's largest batch and the
     longest sequence at ``batch``."""
     text = sequence_input(result.get("shapes", {"input_ids": ()})) is not None
+    host = result.get("host_bytes") or {}
     lines = [f"{'level':>5s}  {'step peak':>10s}  {'+ resident':>10s}  {'total':>10s}"
+             + (f"  {'host':>10s}" if host else "")
              + ("  largest batch that fits" if device else "")
              + (f"  longest sequence at batch {batch}" if device and text and batch else "")]
     for level, peak in result["peak_bytes"].items():
         total = peak + result["resident_bytes"]
         row = f"{level:>5s}  {human(peak):>10s}  {human(result['resident_bytes']):>10s}  {human(total):>10s}"
+        if host:
+            row += f"  {human(host[level]):>10s}"
         if device:
             row += f"  {str(result['max_batch'][level]) + f' (on {device})':24s}"
             if text and batch and level in result.get("max_seq", {}):
                 row += f"  {result['max_seq'][level]}"
         lines.append(row.rstrip())
     lines.append("step peak: activations, gradients and the step's buffers (predicted); resident: weights, "
-                 "buffers and optimizer state")
+                 "buffers and optimizer state" + ("; host: saved values offloaded to host memory (not in the "
+                                                  "device's total)" if host else ""))
     for level, why in (result.get("limit") or {}).items():
         lines.append(f"level {level}: {limit_line(why, result['resident_bytes'], device)}")
     return "\n".join(lines)
@@ -572,6 +581,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' and activations' dtype")
     p.add_argument("--step-in-backward", action="store_true",
                    help="the optimizer's step runs in the backward (options step_in_backward): gradients die there")
+    p.add_argument("--offload", action="store_true",
+                   help="plan with offload (option offload): saved values in host memory where that lowers the "
+                        "peak; prints the host bytes")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="plot memory against batch size per level")
     return p
@@ -585,13 +597,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[fxmem estimate] {msg}", file=sys.stderr, flush=True)
 
     result = estimate(a.model, a.batch, a.seq or 512, levels, a.device, a.optimizer, a.dtype, log,
-                      a.step_in_backward)
+                      a.step_in_backward, a.offload)
     if a.seq is not None and sequence_input(result["shapes"]) is None:
         log(f"--seq {a.seq} does not apply: the model takes {describe(result['shapes'])}")
     if a.plot:
         log(f"plot written to {plot(result, a.plot, a.device, a.batch)}")
     if a.json:
         keys = ("peak_bytes", "resident_bytes", "max_batch", "limit", "max_seq")
+        keys += ("host_bytes",) if a.offload else ()
         print(json.dumps({**{k: result[k] for k in keys}, "inputs": {k: list(v) for k, v in result["shapes"].items()}}))
     else:
         print(table(result, a.device, a.batch))

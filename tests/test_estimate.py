@@ -14,6 +14,7 @@ import torch
 import fxmem.__main__ as cli
 from fxmem.estimate import estimate, hf_spec, step_inputs
 from fxmem.profiling import step_perf
+from fxmem.report.render import human
 
 CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "configs"
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
@@ -226,6 +227,22 @@ def test_estimate_counts_gradients_that_die_in_the_backward():
     measured = _measured_level1_peak(config, batch, seq, dynamic=False, in_backward=True)
     assert predicted < plain
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+@pytest.mark.slow  # about 50 s here
+def test_estimate_with_offload_counts_device_and_host_bytes_apart():
+    """``--offload``: each level's plan with offload, its device peak below the plain one and the
+    host bytes its step holds beside it, in the table and in the result."""
+    from fxmem.estimate import table
+
+    config, batch, seq = CONFIGS / "gpt2-tiny.json", 4, 128
+    plain = estimate(str(config), batch, seq, levels=(1,))
+    moved = estimate(str(config), batch, seq, levels=(1,), offload=True)
+    assert moved["peak_bytes"]["1"] < plain["peak_bytes"]["1"]
+    assert moved["host_bytes"]["1"] > 0 and plain["host_bytes"] == {}
+    header, row = table(moved, None).splitlines()[:2]
+    assert header.split()[-1] == "host" and row.split()[-2:] == human(moved["host_bytes"]["1"]).split()
+    assert "host" not in table(plain, None).splitlines()[0]
 
 
 @pytest.mark.slow  # about 25 s of CPU (a minute of wall time under a load of 7)

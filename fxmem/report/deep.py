@@ -46,6 +46,10 @@ class LayerScaledReport:
         (_, ra), (_, rb) = self.probes
         return rb.predict_peak() - ra.predict_peak()
 
+    def host_bytes(self, **shapes: Any) -> int:
+        """Host bytes the step holds at ``layers`` (``offload``; see ``MemoryReport.host_bytes``)."""
+        return self._line(lambda r: r.host_bytes(**shapes))
+
     def resident_bytes(self, optimizer: str | float | None = None) -> int:
         """Parameters, buffers and optimizer state at ``layers`` (see ``MemoryReport.resident_bytes``)."""
         return self._line(lambda r: r.resident_bytes(optimizer))
