@@ -62,7 +62,8 @@ def segformer_b(batch=2, size=64, classes=4, seed=0):
     images = _segmentation(_images(batch, size, classes, seed), size)
     return _hf("segformer_b", "SegformerForSemanticSegmentation", images, seed, num_channels=3, num_encoder_blocks=4,
                depths=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1], hidden_sizes=[16, 32, 40, 64], patch_sizes=[7, 3, 3, 3],
-               strides=[4, 2, 2, 2], num_attention_heads=[1, 2, 2, 4], mlp_ratios=[2, 2, 2, 2], decoder_hidden_size=32, num_labels=classes)
+               strides=[4, 2, 2, 2], num_attention_heads=[1, 2, 2, 4], mlp_ratios=[2, 2, 2, 2], decoder_hidden_size=32,
+               num_labels=classes)
 
 
 def dpt(batch=2, size=32, patch=8, d=32, layers=4, heads=4, classes=4, seed=0):
