@@ -147,6 +147,20 @@ def _cpu_flash(target, args, kwargs, out) -> sympy.Expr:
     return copy + threads * (acc * (2 * qs * kvs + qs) + reduced)
 
 
+def _embedding_dense_backward(target, args, kwargs, out) -> sympy.Expr:
+    """The CPU kernel's ``grad.contiguous()``: a copy of a gradient that is not contiguous
+    (measured: the whole gradient, e.g. an ``nn.GRU`` LM's, transposed back from time-major)."""
+    g = value_of(args[0])
+    if not (isinstance(g, torch.Tensor) and g.device.type == "cpu"):
+        return ZERO
+    expected = 1
+    for size, stride in reversed(list(zip(_hints(g.shape), _hints(g.stride())))):
+        if size != 1 and stride != expected:
+            return tensor_bytes(g)
+        expected *= size
+    return ZERO
+
+
 def _fxmem_cpu(f: Callable[..., sympy.Expr]) -> Callable:
     """A temporary of an fxmem kernel's PyTorch path (CPU): ``f(n, d, rows, low, a)`` with ``n``
     the elements of its input ``x``, ``d`` its last dim, ``rows`` = n / d, ``low`` whether it is
@@ -426,6 +440,7 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     aten.native_dropout_backward.default: _cpu_bytes,
     aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
+    aten.embedding_dense_backward.default: _embedding_dense_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash,
     run_with_rng_state: _run_with_rng_state,
