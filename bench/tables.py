@@ -362,7 +362,7 @@ def _zoo_tables(records: Records) -> tuple[Table, ...]:
     labels = _labels(records, "cells.", ".peak")
     return (Table("main", (
         Column("model", "model", number=False), Column("family", "family", number=False),
-        Column("eager", "eager", _kib), Column("min-cut", "mincut", _kib),
+        Column("eager", "eager", _kib), Column("min-cut", lambda r: _kib(r["mincut"]) if r.get("mincut") else "-"),
         Column("HF ckpt", lambda r: _kib(r["hf_ckpt"]) if r.get("hf_ckpt") else "-"),
         *[Column(label, _zoo_cell(label)) for label in labels],
         Column("L1 / budget 0.0", _ratio("l1_over_least")), Column("L1 / HF ckpt", _ratio("l1_over_hf")),

@@ -87,6 +87,18 @@ class Encoder(nn.Module):
         return self.enc(x).square().mean()
 
 
+class Recurrent(nn.Module):
+    """An ``nn.GRU`` of two stacked layers (one leaf module): AOTAutograd unrolls it over the
+    sequence, and each step of each layer is a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(16, 16, 2, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0]).square().mean()
+
+
 class Flat(nn.Module):
     """Leaf modules only: nothing repeats that is a block."""
 
@@ -101,7 +113,8 @@ class Flat(nn.Module):
 def _layer_keys(model: nn.Module, x: torch.Tensor) -> list[str]:
     """The layers of ``model``'s joint graph, in graph order."""
     compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1})
-    compiled(x).backward()
+    with torch._dynamo.config.patch(allow_rnn=True):  # else Dynamo leaves an RNN to eager
+        compiled(x).backward()
     (graph,) = [g for c in fxmem.compilations(compiled) for g in c.graphs]
     key = layers(graph.plan.problem.joint)
     return list(dict.fromkeys(key[n] for n in graph.plan.problem.joint.gm.graph.nodes if n in key))
@@ -116,8 +129,9 @@ SEQ = torch.randn(2, 5, 16)
     (Named, torch.randn(2, 3, 8, 8), ["first", "second"]),
     pytest.param(Stacks, SEQ, ["encoder.blocks.0", "encoder.blocks.1", "decoder.blocks.0", "decoder.blocks.1"],
                  marks=pytest.mark.slow),
+    (Recurrent, torch.randn(2, 3, 16), [f"rnn.step{i}" for i in range(6)]),
     (Flat, SEQ, []),
-], ids=["shared-weights", "nn.TransformerEncoder", "residual-blocks", "stacks", "no-blocks"])
+], ids=["shared-weights", "nn.TransformerEncoder", "residual-blocks", "stacks", "recurrent-steps", "no-blocks"])
 def test_layers_are_the_repeated_blocks(model, x, expected):
     torch.manual_seed(0)
     assert _layer_keys(model(), x) == expected

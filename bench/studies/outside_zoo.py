@@ -11,12 +11,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_table
 
 import zoo_table  # noqa: E402
 
+from fxmem.models import Workload, _tokens  # noqa: E402
 from fxmem.testing import zoo  # noqa: E402
-from fxmem.testing.zoo import _causal, _hf, _images, _masked  # noqa: E402
+from fxmem.testing.zoo import RecurrentLM, _causal, _hf, _images, _masked, _plain  # noqa: E402
 
 
 def _decoder(name: str, cls: str, **config):
@@ -44,6 +49,117 @@ def segformer(batch=2, size=32, classes=4, seed=0):
                num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=classes)
 
 
+def _segmentation(batch: dict, size: int) -> dict:
+    """An image batch whose labels are a per-pixel class map (``size`` x ``size``)."""
+    b = batch["labels"].shape[0]
+    batch["labels"] = batch["labels"][:, None, None].expand(b, size, size).contiguous()
+    return batch
+
+
+def segformer_b(batch=2, size=64, classes=4, seed=0):
+    """SegFormer at four stages (MiT-b0's layout: depths 2 each, reduction ratios 8/4/2/1) on 64x64
+    images: the larger sibling of ``segformer``."""
+    images = _segmentation(_images(batch, size, classes, seed), size)
+    return _hf("segformer_b", "SegformerForSemanticSegmentation", images, seed, num_channels=3, num_encoder_blocks=4,
+               depths=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1], hidden_sizes=[16, 32, 40, 64], patch_sizes=[7, 3, 3, 3],
+               strides=[4, 2, 2, 2], num_attention_heads=[1, 2, 2, 4], mlp_ratios=[2, 2, 2, 2], decoder_hidden_size=32,
+               num_labels=classes)
+
+
+def dpt(batch=2, size=32, patch=8, d=32, layers=4, heads=4, classes=4, seed=0):
+    """DPT: a ViT backbone whose layers 1..4 feed a convolutional reassemble-and-fuse neck, a
+    segmentation head and an auxiliary head (dropout 0.1 in the heads)."""
+    return _hf("dpt", "DPTForSemanticSegmentation", _segmentation(_images(batch, size, classes, seed), size), seed,
+               image_size=size, patch_size=patch, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+               intermediate_size=2 * d, backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[8, 16, 16, 32],
+               fusion_hidden_size=16, reassemble_factors=[4, 2, 1, 0.5], num_labels=classes,
+               auxiliary_loss_weight=0.4)
+
+
+def mobilevit(batch=2, size=64, classes=4, seed=0):
+    """MobileViT (DeepLabV3 head): inverted-residual conv stages with transformer blocks over
+    unfolded patches (dropout 0.1 in the head, 0.0 elsewhere)."""
+    images = _segmentation(_images(batch, size, classes, seed), size)
+    return _hf("mobilevit", "MobileViTForSemanticSegmentation", images, seed, image_size=size,
+               hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_attention_heads=2,
+               aspp_out_channels=32, atrous_rates=[2, 4, 6], num_labels=classes)
+
+
+def _series(batch: int, length: int, seed: int, channels: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, length) if channels is None else (batch, length, channels)
+    return torch.randn(shape, generator=g).cumsum(1)
+
+
+def _forecast(name: str, cls: str, batch: int, context: int, horizon: int, d: int, layers: int, heads: int,
+              seed: int, **config):
+    """A probabilistic forecaster (TimeSeriesTransformer, Informer, Autoformer): lags, one time
+    feature, the distribution head's negative log-likelihood (dropout 0.1 as shipped)."""
+    lags = [1, 2, 3]
+    past, future = context + max(lags), horizon
+    values = _series(batch, past + future, seed)
+    time = torch.linspace(0, 1, past + future).expand(batch, -1)[..., None].contiguous()
+    batch_ = {"past_values": values[:, :past].contiguous(), "past_time_features": time[:, :past].contiguous(),
+              "past_observed_mask": torch.ones(batch, past), "future_values": values[:, past:].contiguous(),
+              "future_time_features": time[:, past:].contiguous()}
+    return _hf(name, cls, batch_, seed, prediction_length=horizon, context_length=context, lags_sequence=lags,
+               num_time_features=1, d_model=d, encoder_layers=layers, decoder_layers=layers,
+               encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=2 * d,
+               decoder_ffn_dim=2 * d, **config)
+
+
+def time_series(batch=4, context=32, horizon=8, d=32, layers=2, heads=4, seed=0):
+    return _forecast("time_series", "TimeSeriesTransformerForPrediction", batch, context, horizon, d, layers, heads,
+                     seed)
+
+
+def informer(batch=4, context=32, horizon=8, d=32, layers=2, heads=4, seed=0):
+    """Informer: ProbSparse attention, distilling convolutions between the encoder layers."""
+    return _forecast("informer", "InformerForPrediction", batch, context, horizon, d, layers, heads, seed)
+
+
+def autoformer(batch=4, context=32, horizon=8, d=32, layers=2, heads=4, seed=0):
+    """Autoformer: series decomposition blocks, auto-correlation in place of attention (FFT)."""
+    return _forecast("autoformer", "AutoformerForPrediction", batch, context, horizon, d, layers, heads, seed)
+
+
+def patchtst(batch=4, context=64, horizon=8, channels=3, d=32, layers=2, heads=4, seed=0):
+    """PatchTST: channel-independent patches, a BatchNorm transformer encoder, MSE forecast loss."""
+    values = _series(batch, context + horizon, seed, channels)
+    batch_ = {"past_values": values[:, :context].contiguous(), "future_values": values[:, context:].contiguous()}
+    return _hf("patchtst", "PatchTSTForPrediction", batch_, seed, num_input_channels=channels,
+               context_length=context, prediction_length=horizon, patch_length=8, patch_stride=8, d_model=d,
+               num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=2 * d)
+
+
+class EncoderClassifier(nn.Module):
+    """A plain ``nn.TransformerEncoder`` classifier (post-norm, ReLU, dropout 0.1 as it ships, no
+    mask): token and learned position embeddings, mean pooling, a linear head."""
+
+    def __init__(self, vocab=512, seq=16, d=32, layers=2, heads=4, classes=4, **layer):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        layer = nn.TransformerEncoderLayer(d, heads, **{"dim_feedforward": 4 * d, "batch_first": True, **layer})
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos(torch.arange(input_ids.shape[1], device=input_ids.device))
+        return F.cross_entropy(self.head(self.encoder(x).mean(1)), labels)
+
+
+def encoder_classifier(batch=4, seq=32, vocab=512, d=32, layers=4, heads=4, classes=4, seed=0, **layer) -> Workload:
+    batch_ = _tokens(batch, seq, vocab, seed)
+    batch_["labels"] = batch_["labels"][:, 0] % classes
+    return _plain("encoder_classifier", lambda: EncoderClassifier(vocab, seq, d, layers, heads, classes, **layer),
+                  batch_, seed)
+
+
+def gru_lm(batch=4, seq=16, vocab=512, d=64, layers=2, seed=0) -> Workload:
+    """An ``nn.GRU`` language model (two stacked layers, one module)."""
+    return _plain("gru_lm", lambda: RecurrentLM(vocab, d, layers, cell=nn.GRU), _tokens(batch, seq, vocab, seed), seed)
+
+
 OUTSIDE = {
     "opt": _decoder("opt", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=32, pad_token_id=0),
     "phi": _decoder("phi", "PhiForCausalLM", intermediate_size=128),
@@ -54,9 +170,21 @@ OUTSIDE = {
                       pad_token_id=0),
     "bert": bert,
     "segformer": segformer,
+    "segformer_b": segformer_b,
+    "dpt": dpt,
+    "mobilevit": mobilevit,
+    "time_series": time_series,
+    "informer": informer,
+    "autoformer": autoformer,
+    "patchtst": patchtst,
+    "encoder_classifier": encoder_classifier,
+    "gru_lm": gru_lm,
 }
 FAMILY = {"opt": "decoder", "phi": "decoder (parallel attention)", "qwen2": "decoder", "olmoe": "moe",
-          "gemma": "decoder (multi-query)", "bert": "encoder", "segformer": "vision (conv + attention)"}
+          "gemma": "decoder (multi-query)", "bert": "encoder", "segformer": "vision (conv + attention)",
+          "segformer_b": "segmentation", "dpt": "segmentation", "mobilevit": "segmentation",
+          "time_series": "time series", "informer": "time series", "autoformer": "time series",
+          "patchtst": "time series", "encoder_classifier": "encoder (torch)", "gru_lm": "rnn"}
 
 
 def main(argv: list[str] | None = None) -> None:

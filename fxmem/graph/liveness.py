@@ -36,7 +36,10 @@ _UNTRACKED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
 def is_alias(node: fx.Node) -> bool:
-    """Shares its first input's storage: a view, a getitem, or an in-place op."""
+    """Shares its first input's storage: a view, a getitem, or an in-place op (not a view that
+    copies where the graph runs: ``layouts.mark_copies``)."""
+    if node.meta.get("copies"):
+        return False
     if node.target is operator.getitem or node.target in WRITES_INTO_FIRST or node.target in _UNTRACKED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)

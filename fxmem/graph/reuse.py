@@ -76,12 +76,14 @@ def dead_writes(body: Sequence[fx.Node], root: Mapping[fx.Node, fx.Node], last: 
     ``a``'s storage (``root``) must have been allocated by the graph (an op in ``ran``, not an
     input: the caller may hold it), every node viewing it must be read no later than here
     (``last``: storage -> position of its last read; ``pos``: node -> position), ``b`` must not
-    view it, and the result must have ``a``'s shape, dtype and contiguous layout."""
+    view it, and the result must have ``a``'s shape, dtype and contiguous layout; not a view that
+    the simulator counts as a copy (``layouts.mark_copies``: were it a view after all, the write
+    would reach its source)."""
     written = {}
     for n in body:
         for a, b in candidates(n):
             r = root[a]
-            if (r in ran and r.op == "call_function" and last.get(r) == pos[n]
+            if (r in ran and r.op == "call_function" and last.get(r) == pos[n] and not r.meta.get("copies")
                     and not (isinstance(b, fx.Node) and root[b] is r)):
                 written[n] = (a, b)
                 break

@@ -20,8 +20,13 @@ inputs and its outputs). Known:
   backward), measured per configuration, shapes and strides (:mod:`.measured`; oneDNN picks a
   layout and an implementation per shape and input layout).
 
-Not counted (small): the CPU attention kernel's blocks; CUDA kernels' workspaces; the CPU bf16
-matmul's packing buffers (a few hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).
+- ATen's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward,
+  :func:`_cpu_flash`): per thread, a block of scores (and in the backward their gradients) and
+  a few rows; the backward also copies ``grad_out`` into the kernel's [batch, seq, heads, dim]
+  layout where it is not already contiguous there (measured: 12 KiB of a 225 KiB PatchTST step).
+
+Not counted (small): CUDA kernels' workspaces; the CPU bf16 matmul's packing buffers (a few
+hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).
 """
 
 from __future__ import annotations
@@ -108,6 +113,52 @@ def _run_with_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (state, op,
 
 def _run_and_save_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (op, *args) -> (state, out)
     return op_scratch(args[0], args[1:], kwargs, out[1] if isinstance(out, (tuple, list)) else None)
+
+
+def _cpu_flash(target, args, kwargs, out) -> sympy.Expr:
+    """ATen's CPU flash attention kernel (``FlashAttentionKernel.cpp``): blocks of ``qs`` query
+    rows by ``kvs`` keys (``qs`` 32, 64 from 192 query rows, 256 from 768; ``kvs`` 512, each at
+    most the sequence), one buffer per thread in the accumulation type: the forward's scores, row
+    maxima and sums and an output block; the backward's scores and their gradient, and a row sum
+    per thread; the backward also copies ``grad_out`` where its [batch, seq, heads, dim]
+    transpose is not contiguous (``grad_out.contiguous()``). Measured with the profiler's
+    allocator events (``tests/test_scratch.py``)."""
+    backward = target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    q, k, v = (value_of(a) for a in (args[1:4] if backward else args[:3]))
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 4 for t in (q, k, v)):
+        return ZERO
+    L, S = dim_expr(q.shape[2]), dim_expr(k.shape[2])
+    qs = sympy.Min(L, sympy.Piecewise((256, sympy.Ge(L, 768)), (64, sympy.Ge(L, 192)), (32, True)))
+    kvs = sympy.Min(S, 512)
+    acc = 8 if q.dtype == torch.float64 else 4
+    threads = torch.get_num_threads()
+    if not backward:
+        return acc * threads * (qs * kvs + 2 * qs + qs * dim_expr(v.shape[3]))
+    reduced = q.element_size() * 2 * qs * kvs if q.dtype in (torch.float16, torch.bfloat16) else 0
+    g = value_of(args[0])
+    sizes, strides = [_hint(d) for d in g.shape], [_hint(st) for st in g.stride()]
+    order = (0, 2, 1, 3)  # the kernel's layout: [batch, seq, heads, dim]
+    expected, contiguous = 1, True
+    for i in reversed(order):
+        if sizes[i] != 1 and strides[i] != expected:
+            contiguous = False
+        expected *= sizes[i]
+    copy = ZERO if contiguous else tensor_bytes(g)
+    return copy + threads * (acc * (2 * qs * kvs + qs) + reduced)
+
+
+def _embedding_dense_backward(target, args, kwargs, out) -> sympy.Expr:
+    """The CPU kernel's ``grad.contiguous()``: a copy of a gradient that is not contiguous
+    (measured: the whole gradient, e.g. an ``nn.GRU`` LM's, transposed back from time-major)."""
+    g = value_of(args[0])
+    if not (isinstance(g, torch.Tensor) and g.device.type == "cpu"):
+        return ZERO
+    expected = 1
+    for size, stride in reversed(list(zip(_hints(g.shape), _hints(g.stride())))):
+        if size != 1 and stride != expected:
+            return tensor_bytes(g)
+        expected *= size
+    return ZERO
 
 
 def _fxmem_cpu(f: Callable[..., sympy.Expr]) -> Callable:
@@ -268,10 +319,12 @@ def _conv_mkldnn_depthwise(x, w, stride, padding, weight_pass: bool, forward: bo
     per-thread weight accumulators: 3.2 MB for a 7x7 on 64 channels, the largest temporary of a
     ConvNeXt step) and ``2 wb`` for 3x3 (channels a whole number of blocks), plus the bias
     gradient's bytes. A contiguous input: the forward reorders the input and the weight (their
-    bytes; channels a whole number of blocks); its backward follows no formula on the grid."""
+    bytes; channels a whole number of blocks); its backward follows no formula on the grid.
+    Images below the grid's 8 px are measured instead: a 3x3 weight gradient on 2x2 images of
+    128 channels (SegFormer's last stage at 64 px) held 1.1 MiB, not ``2 wb`` (9 KiB)."""
     kh, kw = _hints(w.shape)[-2:]
     c = _hint(w.shape[0])
-    if kh != kw or kh not in (3, 5, 7):
+    if kh != kw or kh not in (3, 5, 7) or min(_hints(x.shape[2:])) < 8:
         return None
     wb = tensor_bytes(w)
     whole = c % ONEDNN_BLOCK == 0
@@ -387,6 +440,9 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     aten.native_dropout_backward.default: _cpu_bytes,
     aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
+    aten.embedding_dense_backward.default: _embedding_dense_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash,
     run_with_rng_state: _run_with_rng_state,
     run_and_save_rng_state: _run_and_save_rng_state,
     **{op: _convolution for op in MEASURED},

@@ -209,15 +209,16 @@ def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Nod
                ) -> tuple[Candidate, list[Candidate], str, set[fx.Node]]:
     """A level's plan where its own does not lower the peak: among the :func:`candidates`, the
     least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
-    recompute that lowers nothing is not paid for; with ``fewest_bytes``, the fewest kept bytes
-    among them (``memory_budget=0.0``'s plan: what a graph keeps is alive through the graphs
-    after it); with ``tie``, the least ``tie`` among them first (a second peak model). Returns
+    recompute that lowers nothing is not paid for; with ``fewest_bytes`` (a graph that is one part
+    of a step), the fewest kept bytes among them (``memory_budget=0.0``'s plan: what a graph keeps
+    is alive through the graphs after it), among the plans :func:`in_a_step` allows; with ``tie``,
+    the least ``tie`` among them first (a second peak model). Returns
     (that plan, every candidate scored with ``saved0``'s first, how they are named, the
     recomputable set less ``keep``: a chosen plan's recomputable set is that and what the plan
     recomputes)."""
     recomp = recomputable - keep
     scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
-    chosen = min(scored, key=_least_peak) if fewest_bytes else \
+    chosen = min(in_a_step(ctx, scored), key=_least_peak) if fewest_bytes else \
         _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)), tie)
     return chosen, scored, how, recomp
 
@@ -273,7 +274,7 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
         # the fewest bytes a cap is met with: any plan (bytes), or one at the least peak (a fraction)
         met = least if isinstance(budget, int) else min(c.nbytes for c in scored if c.peak <= lowest.peak * (1 + SLACK))
         if isinstance(budget, float) and budget == 0.0:
-            chosen = lowest
+            chosen = min(in_a_step(ctx, scored), key=_least_peak) if ctx.partial else lowest
         elif chosen is None or isinstance(budget, float) and chosen.peak > ceiling * (1 + SLACK):
             # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
             # peak) only plans that peak higher than a higher fraction's
@@ -325,6 +326,28 @@ def least_with_offload(ctx: PlanContext, settings: PlanSettings, saved0: list[fx
     what = f"level {settings.level} with offload (the least peak, then the least modelled time)"
     return _chosen(ctx, settings, replace(chosen, peak=peak), moved, what, saved_bytes(p, saved0), how, recomp,
                    notes)
+
+
+def in_a_step(ctx: PlanContext, scored: list[Candidate]) -> list[Candidate]:
+    """For a graph that is one part of a step (``PlanContext.partial``): the candidates no worse
+    than the first (the level's own plan, level 0's where a budget or level 1 starts from it) in
+    each of what the step adds up (``report.memory.chained_peak``): the forward's peak (above what
+    the graphs before it hold), the kept bytes (alive while every graph after it runs) and the
+    backward's peak. A plan of a lower peak of its own that keeps more, or whose forward peaks
+    higher, can raise the step's peak above level 0's though each graph's own peak is lower
+    (issue #56 saw ``memory_budget=0.0`` at 1.068x level 0 on a time-series transformer that
+    graph breaks split). The first is among them; on a graph that is the whole step, all are."""
+    if not ctx.partial:
+        return scored
+    base = scored[0]
+    fw0, bw0 = ctx.peak.phases(base.saved)
+    out = [base]
+    for c in scored[1:]:
+        if c.nbytes <= base.nbytes:
+            fw, bw = ctx.peak.phases(c.saved)
+            if fw <= fw0 and bw <= bw0:
+                out.append(c)
+    return out
 
 
 def _least_peak(c: Candidate) -> tuple:

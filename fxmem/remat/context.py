@@ -70,6 +70,18 @@ class PlanContext:
         return Walk(self.joint)
 
     @functools.cached_property
+    def partial(self) -> bool:
+        """The graph is one part of a training step (Dynamo split the step at a graph break): its
+        backward takes no scalar gradient (it returns no loss), so what it keeps stays alive while
+        the graphs after it run, and its forward and backward run above what they hold."""
+        return not any(_scalar(t) for t in self.joint.tangents)
+
+    @functools.cached_property
     def peak(self) -> StepPeak:
         """The step simulator: ``ctx.peak(saved)`` is the simulated step peak of keeping ``saved``."""
         return StepPeak(self.joint, self.sizes, self.target, released=self.released)
+
+
+def _scalar(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return val is not None and hasattr(val, "numel") and val.dim() == 0

@@ -13,7 +13,12 @@ repeated blocks inside a call cover most of it (a T5 or Whisper encoder of numbe
 inner blocks are the layers. A numbered sibling of a layer (Jamba's one attention layer among
 Mamba layers, DeepSeek's dense first layer) is a layer too. Without repeated blocks, the
 top-level modules with submodules are the layers when there are two or more (a UNet's ``down``,
-``mid``, ``up``); else there are none (``layers`` returns ``{}``).
+``mid``, ``up``). Else a recurrent module (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``, any leaf module
+that applies one weight again and again along a chain: AOTAutograd unrolls the recurrence over
+the sequence) has its *steps* as layers (``rnn.step3``): each step starts at a heavy op that reads
+the weights the step before read and what it computed (``h_{t-1} @ W_hh``); the hidden state is
+the boundary, everything a step computes from it (gates, the next state) is recomputed. Else
+there are none (``layers`` returns ``{}``).
 Nodes that decompositions created without a module stack inherit the layer of their inputs. A
 layer's *boundary* is every tensor it reads from outside itself (the residual stream, plus small
 shared inputs such as rotary tables) and every tensor of it that code outside the layers reads
@@ -28,7 +33,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..graph.joint import JointGraph
-from .allowlist import CHEAP, kind
+from ..graph.liveness import storage_roots
+from .allowlist import CHEAP, HEAVY, kind
 from .replay import is_state
 
 _ITEM = re.compile(r"(?:\._modules)?\['?([^'\]]+)'?\]")
@@ -118,10 +124,61 @@ def _layer_calls(calls: dict[str, _Call]) -> list[_Call]:
     return chosen
 
 
+def _steps(joint: JointGraph, calls: dict[str, _Call]) -> dict[fx.Node, str]:
+    """Forward node -> step key (``rnn.step3``) inside the recurrent leaf calls (see the module's
+    docstring); ``{}`` when there are none. A step's nodes are those whose latest step-starting
+    ancestor inside the call is its start; the call's nodes before its first step (the input
+    projection of the whole sequence) belong to no step."""
+    root = storage_roots(joint.gm)
+    key: dict[fx.Node, str] = {}
+    for call in calls.values():
+        if call.children or not call.path:
+            continue
+        groups: dict[frozenset, list[fx.Node]] = {}
+        for n in call.nodes:  # heavy ops by the graph inputs (weights) they read
+            if kind(n) == HEAVY:
+                weights = frozenset(root[a] for a in n.all_input_nodes if root[a].op == "placeholder")
+                if weights:
+                    groups.setdefault(weights, []).append(n)
+        ops = [n for g in groups.values() if len(g) >= 2 for n in g]
+        if not ops:
+            continue
+        order = {n: i for i, n in enumerate(call.nodes)}
+        inside = set(call.nodes)
+        latest: dict[fx.Node, int] = {}  # node -> position of its latest ancestor among ``ops`` (-1: none)
+        starts = set(ops)
+        for n in call.nodes:
+            before = max((latest.get(a, -1) for a in n.all_input_nodes if a in inside), default=-1)
+            latest[n] = order[n] if n in starts else before
+        chained = [n for g in groups.values() if len(g) >= 2 and all(
+            max((latest.get(a, -1) for a in b.all_input_nodes if a in inside), default=-1) >= order[a_]
+            for a_, b in zip(g, g[1:])) for n in g]
+        if not chained:
+            continue
+        starts = set(chained)
+        index = {n: i for i, n in enumerate(sorted(chained, key=order.__getitem__))}
+        step: dict[fx.Node, int] = {}
+        name = ".".join(call.path)
+        for n in call.nodes:
+            steps = [step[a] for a in n.all_input_nodes if a in step]
+            if n in starts:
+                step[n] = index[n]
+            elif steps:
+                step[n] = max(steps)
+            else:
+                continue
+            key[n] = f"{name}.step{step[n]}"
+    return key
+
+
 def layers(joint: JointGraph) -> dict[fx.Node, str]:
     """Forward node -> layer key, for nodes inside a layer (``{}`` when the graph has none)."""
     forward = [n for n in joint.gm.graph.nodes if n in joint.forward and n.op == "call_function"]
-    of_call = {c.key: c.name for c in _layer_calls(_calls(forward))}
+    calls = _calls(forward)
+    chosen = _layer_calls(calls)
+    if not chosen:
+        return _steps(joint, calls)
+    of_call = {c.key: c.name for c in chosen}
     key: dict[fx.Node, str] = {}
     for n in forward:
         stack = n.meta.get("nn_module_stack")

@@ -24,6 +24,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from ..fallback import stage_failed
 from ..graph.joint import JointGraph, hoist_size_reads
+from ..graph.layouts import mark_copies
 from ..graph.liveness import step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
@@ -69,9 +70,12 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings
     embedding's gradient summed into its other use's (``tied``
     for eager's kernel; for Inductor's decomposition, scattered into it: ``fences.scatter_into_sums``,
     which the simulator then counts in place), its random ops made replayable (and, at level 2,
-    dropout masks packed)."""
+    dropout masks packed); for the eager inner compiler, the views that copy on CPU marked
+    (``graph.layouts``)."""
     accumulate_tied_embeddings(gm)
     hoist_size_reads(gm)
+    if settings.target.reuses_buffers:  # the eager inner compiler runs the CPU kernels' layouts
+        mark_copies(gm)
     if settings.target.inplace_scatters:
         scatter_into_sums(gm)
     joint = JointGraph.of(gm, num_fwd_outputs)

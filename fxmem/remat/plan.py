@@ -206,7 +206,7 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     # A graph that returns no scalar to differentiate (a loss) passes its outputs on to more of
     # the step (Dynamo split the step at a graph break): what it keeps is alive while the rest
     # runs, which its own simulated peak does not see, so it keeps the fewest bytes at its least peak.
-    partial = not any(_scalar(t) for t in ctx.joint.tangents)
+    partial = ctx.partial
     # An inner compiler that fuses ops the simulator allocates (Inductor): plans tied at the
     # least simulated peak (its backward's peak in ops every plan runs alike) are ranked with
     # that fusion modeled (``fusion``), then by recompute.
@@ -253,11 +253,6 @@ def _dominates(a: Candidate, b: Candidate) -> bool:
     estimate's least certain part under Inductor, whose fusion it does not model)."""
     return (a.peak <= b.peak and a.nbytes <= b.nbytes and a.cost <= b.cost
             and (a.nbytes, a.cost) != (b.nbytes, b.cost))
-
-
-def _scalar(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return val is not None and hasattr(val, "numel") and val.dim() == 0
 
 
 def _layerwise(ctx: PlanContext, must_save: set[fx.Node], problem) -> list[list[fx.Node]]:

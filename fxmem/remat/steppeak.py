@@ -50,6 +50,11 @@ class StepPeak:
         """``offloaded``: of the saved values, those handed over in host memory (``split``'s)."""
         return max(self._phases(saved, fused=False, offloaded=offloaded))
 
+    def phases(self, saved, offloaded=frozenset()) -> tuple[int, int]:
+        """(forward peak, backward peak) of keeping ``saved``: what a step of several graphs adds
+        up (``report.memory.chained_peak``)."""
+        return self._phases(saved, fused=False, offloaded=offloaded)
+
     def fused(self, saved, offloaded=frozenset()) -> int:
         """The step peak of keeping ``saved`` with Inductor's fusion modeled (``.fusion``): ops
         never stored are not allocated. Ranks plans whose :meth:`__call__` peaks tie."""
