@@ -777,10 +777,11 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
              Column("phase", "phase", number=False), Column("fused loss", "fused_loss", number=False))),)),
     Spec("offload", ("model", "inner", "config"), title=lambda res: "Keep, recompute or offload (issue #58)",
          note="Exact allocator peak of the third step; median step time of --rounds more steps per configuration, in "
-              "interleaved rounds with the other configurations of the model (`bench/studies/offload.py`), CPU, two "
-              "threads. seed: the seed documents' recipe in eager PyTorch (HF gradient checkpointing where the model "
-              "supports it, else torch.utils.checkpoint around each block, with save_on_cpu's hooks); save_on_cpu "
-              "alone: the hooks without checkpointing (every saved tensor to host). recompute-only: fxmem "
+              "interleaved rounds with the other configurations of the model (`bench/studies/offload.py`), in CPU "
+              "seconds of the process on one thread (--clock cpu: other processes' load on the shared machine does "
+              "not count). seed: the seed documents' recipe in eager PyTorch (HF gradient checkpointing where the "
+              "model supports it, else torch.utils.checkpoint around each block, with save_on_cpu's hooks); "
+              "save_on_cpu alone: the hooks without checkpointing (every saved tensor to host). recompute-only: fxmem "
               "memory_budget=0.0 (the least peak recompute alone reaches). offload@0.8: peak_budget = 0.8 x that "
               "measured peak with offload=True; met: measured <= 1.02 x the budget; bitwise: gradients and buffers "
               "equal bit for bit to the same plan with the offloaded values kept on the device (eager: its own row, "
