@@ -17,6 +17,9 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
   ``assume_constant_result`` does), so the hooks exist before Dynamo traces the layers and are
   traced with them; the compiled code is guarded on the model's identity, as Dynamo guards any
   object passed to such a function.
+- transformers' state-space models (Mamba, FalconMamba, Jamba, Zamba) run their selective scan
+  as a loop in eager and as torch's ``associative_scan`` under Dynamo: fxmem has Dynamo trace
+  the loop (:func:`_eager_scan`), the step eager runs, which peaks lower.
 - :func:`breaks_since` tells what broke a step's graph, for ``fxmem.explain`` and ``clipped_grad``.
 """
 
@@ -46,17 +49,25 @@ def ignore_once_warnings(*_: object) -> None:
 
 
 _CAPTURING = "transformers.utils.output_capturing"
+# transformers' state-space models whose selective scan, in plain PyTorch, is a loop over the
+# sequence in eager and torch's ``associative_scan`` when Dynamo traces it (config.use_associative_scan)
+_SCANS = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("mamba", "falcon_mamba", "jamba", "zamba"))
 
 
 def _trace_time_output_hooks() -> None:
     """Register, once per process (Dynamo keeps polyfills across ``torch._dynamo.reset()``, which
-    drops compile-start callbacks), the stand-in for transformers' ``maybe_install_capturing_hooks``:
-    now if transformers' module is loaded, else right after it is imported."""
-    capturing = sys.modules.get(_CAPTURING)
-    if capturing is None:
-        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    drops compile-start callbacks), fxmem's stand-ins for transformers' functions: each now if its
+    module is loaded, else right after the module is imported."""
+    for name, install in _STAND_INS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            install(module)
+        elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _AfterImport())
-        return
+
+
+def _output_hooks(capturing) -> None:
+    """The stand-in for ``maybe_install_capturing_hooks``: it runs the real one at trace time."""
     original = getattr(capturing, "maybe_install_capturing_hooks", None)
     if original is None or getattr(original, _MARK, False):
         return
@@ -73,25 +84,46 @@ def _trace_time_output_hooks() -> None:
     setattr(original, _MARK, True)
 
 
+def _eager_scan(modeling) -> None:
+    """Make Dynamo trace the selective-scan loop that eager runs. transformers' Mamba, FalconMamba,
+    Jamba and Zamba (scan in plain PyTorch: no CUDA kernels) switch to torch's ``associative_scan``
+    (generic mode off CUDA) where ``is_torchdynamo_compiling()`` (``config.use_associative_scan``,
+    on by default): another algorithm, whose tree levels and full-size slice gradients held a
+    Jamba step at 1.27x eager's peak under ``aot_eager`` (fxmem level 0 1.30x; no plan of that
+    graph peaks lower), where the loop traced peaks at eager's or below and computes eager's values
+    (bench/studies/outside_zoo.py: jamba). In these modules that call decides nothing else: it is
+    given a stand-in that says False, as it does in eager; eager is unchanged."""
+    if hasattr(modeling, "mamba_selective_scan") and hasattr(modeling, "is_torchdynamo_compiling"):
+        modeling.is_torchdynamo_compiling = _as_in_eager
+
+
+def _as_in_eager() -> bool:
+    return False
+
+
+_STAND_INS = {_CAPTURING: _output_hooks, **{name: _eager_scan for name in _SCANS}}
 _MARK = "__fxmem_stand_in__"  # set on a function given a stand-in: Dynamo refuses a second registration
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when transformers' output-capturing module is imported, lets the
-    other finders load it and registers the stand-in right after the module runs."""
+    """Finds nothing itself: when one of the modules fxmem gives stand-ins for is imported, lets
+    the other finders load it and registers the stand-ins right after the module runs."""
 
     def find_spec(self, name, path, target=None):
-        if name != _CAPTURING:
+        if name not in _STAND_INS:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        sys.meta_path.remove(self)  # find_spec below must not come back here
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            _trace_time_output_hooks()
+            _STAND_INS[name](module)
 
         spec.loader.exec_module = exec_module
         return spec
