@@ -1,0 +1,88 @@
+"""A loop's per-iteration slice gradients written into one buffer, in the joint graph.
+
+A loop over a sequence (a selective scan, an RNN written in plain PyTorch) reads one slice of a
+whole-sequence tensor per iteration (``dA[:, :, t]``); the gradient of each read is
+``select_backward(g_t, sizes, dim, t)``, a full-size buffer of zeros with ``g_t`` in slot ``t``,
+and autograd sums them: ``acc = acc + select_backward(g_t, ...)``, once per iteration. Eager
+autograd adds each one into its buffer in place, but still allocates the full-size zeros every
+iteration; in the traced graph every iteration holds the sum, the new full-size summand and the
+new sum. On a tiny Jamba (bench/studies/outside_zoo.py) two such sums (the scan's ``dA`` and
+``dB*u``) made the step's peak, in the scan's backward, 1.02x eager's.
+
+:func:`accumulate_slice_gradients` rewrites each sum of slice gradients over distinct slots into
+``acc = select_scatter(acc, g_t, dim, t)``: the same values (a slot is written once, onto
+zeros), one full-size buffer per sum, written in place by the eager inner compiler where the
+previous sum dies there (``graph.inplace.INTO_FIRST``), as the simulator counts it.
+
+Only the undecomposed op is matched: Inductor's joint graph holds torch's decomposition (a
+``select_scatter`` into zeros), which Inductor re-inplaces itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def _slot(n: object) -> tuple[tuple, int] | None:
+    """``(key, index)`` of a ``select_backward`` read only once, with a concrete slot; else None.
+    Its key: the full size, the dimension, the dtype (summands with the same key fill one buffer)."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.select_backward.default
+            and len(n.users) == 1 and len(n.args) == 4):
+        return None
+    _, sizes, dim, index = n.args
+    v = n.meta.get("val")
+    if not (isinstance(v, torch.Tensor) and isinstance(dim, int) and isinstance(index, int)):
+        return None
+    dim = dim % v.dim()
+    size = v.shape[dim]
+    if not isinstance(size, int):  # a symbolic length: the slot's place is not known here
+        return None
+    return (tuple(str(s) for s in sizes), dim, v.dtype), index % size
+
+
+def accumulate_slice_gradients(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place: ``add(acc, select_backward(g, sizes, dim, t))`` (either order), where
+    ``acc`` is a ``select_backward`` of the same full size, dimension and dtype or such a sum, and
+    slot ``t`` is not yet filled in it -> ``select_scatter(acc, g, dim, t)``. Returns how many sums
+    were rewritten."""
+    filled: dict[fx.Node, tuple[tuple, set[int]]] = {}  # a buffer of slice gradients -> (key, its slots)
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        leaf = _slot(n)
+        if leaf is not None:
+            filled[n] = (leaf[0], {leaf[1]})
+            continue
+        if n.target is not aten.add.Tensor or n.kwargs or len(n.args) != 2:
+            continue
+        out = n.meta.get("val")
+        for acc, summand in (n.args, n.args[::-1]):
+            leaf = _slot(summand)
+            if leaf is None or acc not in filled or filled[acc][0] != leaf[0] or leaf[1] in filled[acc][1]:
+                continue
+            va = acc.meta.get("val")
+            if not (isinstance(out, torch.Tensor) and isinstance(va, torch.Tensor) and va.shape == out.shape
+                    and va.dtype == out.dtype):
+                continue
+            key, slots = filled[acc]
+            slots = slots if len(acc.users) == 1 else set(slots)
+            g, _, dim, _ = summand.args
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(aten.select_scatter.default, (acc, g, dim, leaf[1]))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            gm.graph.erase_node(n)
+            gm.graph.erase_node(summand)
+            filled.pop(summand, None)
+            slots.add(leaf[1])
+            filled[new] = (key, slots)
+            count += 1
+            break
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
