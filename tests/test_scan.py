@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxmem
 from fxmem import graph_breaks
+from fxmem.graph.inplace import INTO_FIRST
 from fxmem.graph.reuse import reuse_dead_buffers
 from fxmem.models import Workload, _tokens
 from fxmem.profiling import step_perf
@@ -136,7 +137,24 @@ def test_slice_gradients_of_a_loop_fill_one_buffer():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(aten.select_scatter.default) == 2 and targets.count(aten.add.Tensor) == 1
     torch.testing.assert_close(gm(*gs), grads(*gs), rtol=0, atol=0)
-    assert reuse_dead_buffers(gm) >= 2  # both scatters write into the buffer that dies at them
+    reuse_dead_buffers(gm)  # both scatters write into the buffer that dies at them
+    assert [n.target for n in gm.graph.nodes].count(INTO_FIRST[aten.select_scatter.default]) == 2
+    torch.testing.assert_close(gm(*gs), grads(*gs), rtol=0, atol=0)
+
+
+def test_chunks_gradients_of_a_loop_fill_one_buffer_where_they_do_not_overlap():
+    def grads(g0, g1, g2, g3):
+        a = aten.slice_backward(g0, [4, 7, 2], 1, 0, 2, 1)
+        a = a + aten.slice_backward(g1, [4, 7, 2], 1, 2, 4, 1)
+        a = a + aten.slice_backward(g2, [4, 7, 2], 1, -3, 9, 1)  # slots 4:7
+        return a + aten.slice_backward(g3, [4, 7, 2], 1, 3, 5, 1)  # overlaps 2:4 and 4:7: an add
+
+    gs = [torch.randn(4, 2, 2), torch.randn(4, 2, 2), torch.randn(4, 3, 2), torch.randn(4, 2, 2)]
+    gm = make_fx(grads)(*gs)
+    assert accumulate_slice_gradients(gm) == 2
+    assert [n.target for n in gm.graph.nodes].count(aten.slice_scatter.default) == 2
+    reuse_dead_buffers(gm)
+    assert [n.target for n in gm.graph.nodes].count(INTO_FIRST[aten.slice_scatter.default]) == 2
     torch.testing.assert_close(gm(*gs), grads(*gs), rtol=0, atol=0)
 
 

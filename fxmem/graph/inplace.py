@@ -58,6 +58,11 @@ def _select_scatter_into(base, src, dim, index):
     return base
 
 
+def _slice_scatter_into(base, src, dim=0, start=None, end=None, step=1):
+    aten.slice.Tensor(base, dim, start, end, step).copy_(src)
+    return base
+
+
 @torch.library.custom_op("fxmem::embedding_backward_add", mutates_args=())
 def embedding_backward_add(other: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
                            padding_idx: int) -> torch.Tensor:
@@ -79,7 +84,8 @@ INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_int
               aten._softmax_backward_data.default: _softmax_backward_into_grad,
               aten.native_dropout_backward.default: _dropout_backward_into_grad,
               EMBEDDING_BACKWARD_ADD: _embedding_backward_into,
-              aten.select_scatter.default: _select_scatter_into}
+              aten.select_scatter.default: _select_scatter_into,
+              aten.slice_scatter.default: _slice_scatter_into}
 
 # functions whose result is their first argument's storage (liveness: no new allocation)
 WRITES_INTO_FIRST = frozenset(INTO_FIRST.values())
