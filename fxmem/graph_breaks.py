@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import inspect
 import logging
 import sys
 from collections import Counter
@@ -92,8 +93,15 @@ def _eager_scan(modeling) -> None:
     Jamba step at 1.27x eager's peak under ``aot_eager`` (fxmem level 0 1.30x; no plan of that
     graph peaks lower), where the loop traced peaks at eager's or below and computes eager's values
     (bench/studies/outside_zoo.py: jamba). In these modules that call decides nothing else: it is
-    given a stand-in that says False, as it does in eager; eager is unchanged."""
-    if hasattr(modeling, "mamba_selective_scan") and hasattr(modeling, "is_torchdynamo_compiling"):
+    given a stand-in that says False, as it does in eager; eager is unchanged. A module that calls
+    it more than once (another transformers) is left alone."""
+    if not (hasattr(modeling, "mamba_selective_scan") and hasattr(modeling, "is_torchdynamo_compiling")):
+        return
+    try:
+        calls = inspect.getsource(modeling).count("is_torchdynamo_compiling()")
+    except (OSError, TypeError):
+        return
+    if calls == 1:
         modeling.is_torchdynamo_compiling = _as_in_eager
 
 
