@@ -185,22 +185,89 @@ def test_a_loop_whose_steps_outweigh_its_state_is_recomputed_per_step_at_level_1
 def test_jamba_from_its_config_peaks_at_most_eager():
     """transformers' Jamba as its config ships (``use_associative_scan=True``): Dynamo traced
     torch's associative scan instead of eager's loop (level 0 868.3 KiB, level 1 865.5, aot_eager
-    845.8, against eager's 668.5); fxmem has it trace the loop (graph_breaks._eager_scan)."""
+    845.8, against eager's 668.5); fxmem has it trace the loop up to ``SCAN_LOOP_MAX`` steps
+    (graph_breaks._eager_scan)."""
     w = _jamba()
     assert w.model.config.use_associative_scan
+    assert w.batch["input_ids"].shape[1] <= graph_breaks.scan_loop_max()
     eager = _eager_peak(w)
     peak = _levels(w)
     assert peak[1] <= eager, (peak, eager)
     assert peak[1] < peak[0], peak
 
 
-def test_only_the_scans_choice_is_given_a_stand_in():
-    """In transformers' state-space modules ``is_torchdynamo_compiling`` answers False (it picks the
-    scan there and nothing else); transformers' own stays as it is."""
+def test_the_scans_are_wrapped_and_their_mixers_reach_them_in_eager_and_compiled(monkeypatch):
+    """transformers' state-space modules' ``mamba_selective_scan`` is fxmem's wrapper of theirs,
+    which the mixers call through the module global (with ``kernels`` installed, the original is
+    the ``nn.Module`` that ``use_kernelized_func`` routes to the model's own copy): eager asks for
+    the associative scan as the config says (and runs the loop), Dynamo is handed the loop.
+    ``is_torchdynamo_compiling`` is left alone."""
     import transformers.models.jamba.modeling_jamba as jamba
     import transformers.utils as utils
 
     graph_breaks.ignore_once_warnings()
-    assert jamba.is_torchdynamo_compiling is graph_breaks._as_in_eager
-    assert utils.is_torchdynamo_compiling is not graph_breaks._as_in_eager
-    assert torch.compile(lambda x: x + utils.is_torchdynamo_compiling(), backend="eager")(torch.zeros(1)) == 1
+    wrapper = jamba.mamba_selective_scan
+    original = wrapper.__wrapped__
+    assert getattr(wrapper, graph_breaks._MARK) and not getattr(original, graph_breaks._MARK, False)
+    graph_breaks._eager_scan(jamba)  # wrapped once
+    assert jamba.mamba_selective_scan is wrapper
+    assert jamba.is_torchdynamo_compiling is utils.is_torchdynamo_compiling
+
+    asked = []
+
+    def recorder(*args, **kwargs):
+        asked.append(kwargs["use_associative_scan"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(jamba, "mamba_selective_scan", graph_breaks._loop_up_to_the_limit(recorder))
+    w = _jamba(seq=4)
+    ref = copy.deepcopy(w.model)
+    want = eager_step(ref, w)
+    assert asked == [True]
+    torch._dynamo.reset()
+    got = eager_step(torch.compile(w.model, backend="eager"), w)
+    assert asked == [True, False]
+    torch.testing.assert_close(got, want)
+
+
+def _scanned(n: int) -> list[bool]:
+    """What a wrapped ``mamba_selective_scan`` hands on as ``use_associative_scan`` when Dynamo
+    traces a call asking for it over ``n`` steps (and in eager)."""
+    asked = []
+
+    def original(hidden_states, dt, use_associative_scan=False):
+        asked.append(use_associative_scan)
+        return hidden_states * dt
+
+    scan = graph_breaks._loop_up_to_the_limit(original)
+    x = torch.ones(2, 3, n)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: scan(x, 2.0, use_associative_scan=True), backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, 2 * x)
+    scan(x, 2.0, use_associative_scan=True)
+    scan(x, 2.0)
+    return asked
+
+
+def test_the_loop_up_to_the_limit_the_associative_scan_above(monkeypatch):
+    assert graph_breaks.SCAN_LOOP_MAX == 256
+    monkeypatch.delenv("FXMEM_SCAN_LOOP_MAX", raising=False)
+    assert graph_breaks.scan_loop_max() == 256
+    assert _scanned(256) == [False, True, False]  # traced: the loop; eager and unasked: as called
+    assert _scanned(257) == [True, True, False]
+    monkeypatch.setenv("FXMEM_SCAN_LOOP_MAX", " 4 ")
+    assert _scanned(4) == [False, True, False]
+    assert _scanned(5) == [True, True, False]
+    monkeypatch.setenv("FXMEM_SCAN_LOOP_MAX", "0")
+    assert _scanned(1) == [True, True, False]
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "1e3", "many"])
+def test_a_bad_scan_loop_max_names_the_variable(monkeypatch, value):
+    """Raised where it is read (Dynamo tracing a scan: as it is, not wrapped) and when options resolve."""
+    message = rf"environment variable FXMEM_SCAN_LOOP_MAX: got '{value}'; allowed: a whole number >= 0"
+    with pytest.raises(ValueError, match=message):
+        fxmem.resolve({}, env={"FXMEM_SCAN_LOOP_MAX": value})
+    monkeypatch.setenv("FXMEM_SCAN_LOOP_MAX", value)
+    with pytest.raises(ValueError, match=message):
+        _scanned(4)
