@@ -17,18 +17,28 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
   ``assume_constant_result`` does), so the hooks exist before Dynamo traces the layers and are
   traced with them; the compiled code is guarded on the model's identity, as Dynamo guards any
   object passed to such a function.
+- transformers' state-space models (Mamba, FalconMamba, Jamba, Zamba) run their selective scan
+  as a loop in eager and as torch's ``associative_scan`` under Dynamo: fxmem has Dynamo trace
+  the loop (:func:`_eager_scan`), the step eager runs, which peaks lower, over up to
+  :data:`SCAN_LOOP_MAX` (256) steps by default (``FXMEM_SCAN_LOOP_MAX``): Dynamo unrolls the
+  loop, so its compile time grows with the sequence; longer sequences keep the associative scan.
 - :func:`breaks_since` tells what broke a step's graph, for ``fxmem.explain`` and ``clipped_grad``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import logging
+import re
 import sys
 from collections import Counter
+from typing import Mapping
 
 import torch
+
+from .options import ENV_SCAN_LOOP_MAX, OptionError, env_value
 
 
 def ignore_once_warnings(*_: object) -> None:
@@ -46,17 +56,25 @@ def ignore_once_warnings(*_: object) -> None:
 
 
 _CAPTURING = "transformers.utils.output_capturing"
+# transformers' state-space models whose selective scan, in plain PyTorch, is a loop over the
+# sequence in eager and torch's ``associative_scan`` when Dynamo traces it (config.use_associative_scan)
+_SCANS = tuple(f"transformers.models.{m}.modeling_{m}" for m in ("mamba", "falcon_mamba", "jamba", "zamba"))
 
 
 def _trace_time_output_hooks() -> None:
     """Register, once per process (Dynamo keeps polyfills across ``torch._dynamo.reset()``, which
-    drops compile-start callbacks), the stand-in for transformers' ``maybe_install_capturing_hooks``:
-    now if transformers' module is loaded, else right after it is imported."""
-    capturing = sys.modules.get(_CAPTURING)
-    if capturing is None:
-        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    drops compile-start callbacks), fxmem's stand-ins for transformers' functions: each now if its
+    module is loaded, else right after the module is imported."""
+    for name, install in _STAND_INS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            install(module)
+        elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _AfterImport())
-        return
+
+
+def _output_hooks(capturing) -> None:
+    """The stand-in for ``maybe_install_capturing_hooks``: it runs the real one at trace time."""
     original = getattr(capturing, "maybe_install_capturing_hooks", None)
     if original is None or getattr(original, _MARK, False):
         return
@@ -73,25 +91,85 @@ def _trace_time_output_hooks() -> None:
     setattr(original, _MARK, True)
 
 
+def _eager_scan(modeling) -> None:
+    """Make Dynamo trace the selective-scan loop that eager runs, for sequences of at most
+    :func:`scan_loop_max` steps. transformers' Mamba, FalconMamba, Jamba and Zamba (scan in plain
+    PyTorch: no CUDA kernels) switch to torch's ``associative_scan`` (generic mode off CUDA) where
+    ``is_torchdynamo_compiling()`` and ``use_associative_scan`` (``config.use_associative_scan``,
+    on by default): another algorithm, whose tree levels and full-size slice gradients held a
+    Jamba step at 1.27x eager's peak under ``aot_eager`` (fxmem level 0 1.30x; no plan of that
+    graph peaks lower), where the loop traced peaks at eager's or below and computes eager's values
+    (bench/studies/outside_zoo.py: jamba). But Dynamo unrolls the loop, one set of ops per time
+    step, so compiling takes time linear in the sequence: a 2-layer Mamba's compile and first step
+    took 22 / 60 / 90 s at 16 / 64 / 256 steps, against 10 / - / 15 s with the associative scan.
+    So the module's ``mamba_selective_scan`` (which the mixers call through the module global;
+    with ``kernels`` installed, an ``nn.Module`` that ``use_kernelized_func`` routes to each
+    model's own copy: the wrapper calls it as it is) is wrapped: asked for the associative scan
+    over at most ``scan_loop_max()`` steps, it asks for the loop (``use_associative_scan=False``);
+    longer sequences, eager (not compiling) and calls that did not ask are passed on unchanged."""
+    original = getattr(modeling, "mamba_selective_scan", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+    modeling.mamba_selective_scan = _loop_up_to_the_limit(original)
+
+
+def _loop_up_to_the_limit(original):
+    """``original`` (a ``mamba_selective_scan``) asking for the loop instead of the associative
+    scan when compiling a sequence of at most ``scan_loop_max()`` steps."""
+
+    def mamba_selective_scan(*args, **kwargs):
+        if kwargs.get("use_associative_scan") and torch.compiler.is_compiling():
+            hidden_states = args[0] if args else kwargs["hidden_states"]  # (batch, channels, seq_len)
+            if hidden_states.shape[-1] <= scan_loop_max():  # a SymInt under dynamic shapes: a guard
+                kwargs["use_associative_scan"] = False
+        return original(*args, **kwargs)
+
+    functools.update_wrapper(mamba_selective_scan, original, updated=())  # an nn.Module with ``kernels``
+    setattr(mamba_selective_scan, _MARK, True)
+    return mamba_selective_scan
+
+
+SCAN_LOOP_MAX = 256  # the longest sequence whose selective scan Dynamo traces as eager's loop
+
+
+@torch._dynamo.assume_constant_result  # read when Dynamo traces a scan (not guarded on)
+def scan_loop_max(env: Mapping[str, str] | None = None) -> int:
+    """The longest sequence whose selective scan fxmem has Dynamo trace as eager's loop:
+    ``FXMEM_SCAN_LOOP_MAX`` (a whole number >= 0; 0: the associative scan wherever it is asked
+    for), else :data:`SCAN_LOOP_MAX`. A bad value is a ``ValueError`` naming the variable, raised
+    as it is through Dynamo (:class:`fxmem.OptionError`), and checked too when options resolve."""
+    value = env_value(ENV_SCAN_LOOP_MAX, env)
+    if value is None:
+        return SCAN_LOOP_MAX
+    if not re.fullmatch(r"[0-9]+", value):  # no sign, no fraction, no exponent
+        raise OptionError(f"environment variable {ENV_SCAN_LOOP_MAX}: got {value!r}; allowed: a whole number >= 0, "
+                          f"the longest sequence whose selective scan is traced as a loop (unset: {SCAN_LOOP_MAX})")
+    return int(value)
+
+
+_STAND_INS = {_CAPTURING: _output_hooks, **{name: _eager_scan for name in _SCANS}}
 _MARK = "__fxmem_stand_in__"  # set on a function given a stand-in: Dynamo refuses a second registration
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when transformers' output-capturing module is imported, lets the
-    other finders load it and registers the stand-in right after the module runs."""
+    """Finds nothing itself: when one of the modules fxmem gives stand-ins for is imported, lets
+    the other finders load it and registers the stand-ins right after the module runs."""
 
     def find_spec(self, name, path, target=None):
-        if name != _CAPTURING:
+        if name not in _STAND_INS:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        sys.meta_path.remove(self)  # find_spec below must not come back here
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            _trace_time_output_hooks()
+            _STAND_INS[name](module)
 
         spec.loader.exec_module = exec_module
         return spec

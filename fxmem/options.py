@@ -4,8 +4,9 @@ Sources, later ones winning: defaults < environment (``FXMEM_MEMORY_OPT_LEVEL``,
 ``FXMEM_MEMORY_OPT_CONFIG``, ``FXMEM_REPORT``) < the ``options=`` dict of ``torch.compile``.
 Every bad value raises ``ValueError`` naming the key (the option, the environment variable, or the
 config file), the value and what is allowed. The environment variables that are not options
-(``FXMEM_MEASURE_SCRATCH``, ``FXMEM_KERNELS_TRITON``) are read where they act, and checked here
-too, so that a bad value fails the first compile instead of some later graph.
+(``FXMEM_MEASURE_SCRATCH``, ``FXMEM_KERNELS_TRITON``, ``FXMEM_SCAN_LOOP_MAX``) are read where
+they act, and checked here too, so that a bad value fails the first compile instead of some
+later graph.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ENV_CONFIG = "FXMEM_MEMORY_OPT_CONFIG"
 ENV_REPORT = "FXMEM_REPORT"
 ENV_MEASURE = "FXMEM_MEASURE_SCRATCH"  # measure CPU convolutions' temporaries (fxmem.measurements)
 ENV_CACHE = "FXMEM_CACHE"  # the folder of the measurements' cache (fxmem.measurements)
+ENV_SCAN_LOOP_MAX = "FXMEM_SCAN_LOOP_MAX"  # the longest selective scan traced as a loop (fxmem.graph_breaks)
 
 INNER_COMPILERS = ("inductor", "eager")
 LOWERING_PATTERNS = (
@@ -388,6 +390,9 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out["report"] = env_flag(ENV_REPORT, report)
     env_flag(ENV_MEASURE, env.get(ENV_MEASURE), default=True)
     env_flag(ENV_TRITON, env.get(ENV_TRITON))
+    from .graph_breaks import scan_loop_max  # it imports this module
+
+    scan_loop_max(env)
     return out
 
 

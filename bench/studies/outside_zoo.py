@@ -160,6 +160,17 @@ def gru_lm(batch=4, seq=16, vocab=512, d=64, layers=2, seed=0) -> Workload:
     return _plain("gru_lm", lambda: RecurrentLM(vocab, d, layers, cell=nn.GRU), _tokens(batch, seq, vocab, seed), seed)
 
 
+def jamba(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, seed=0):
+    """Jamba: a hybrid state-space model, a Mamba layer then an attention layer with 4 experts
+    (top-2), as its config ships otherwise (``use_associative_scan=True``; no CUDA kernels here:
+    the selective scan is a Python loop over the sequence in eager)."""
+    return _causal("jamba", "JambaForCausalLM", batch, seq, vocab, seed, hidden_size=d, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=2, intermediate_size=2 * d, num_experts=4,
+                   num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, mamba_d_state=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                   max_position_embeddings=64)
+
+
 OUTSIDE = {
     "opt": _decoder("opt", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=32, pad_token_id=0),
     "phi": _decoder("phi", "PhiForCausalLM", intermediate_size=128),
@@ -179,12 +190,14 @@ OUTSIDE = {
     "patchtst": patchtst,
     "encoder_classifier": encoder_classifier,
     "gru_lm": gru_lm,
+    "jamba": jamba,
 }
 FAMILY = {"opt": "decoder", "phi": "decoder (parallel attention)", "qwen2": "decoder", "olmoe": "moe",
           "gemma": "decoder (multi-query)", "bert": "encoder", "segformer": "vision (conv + attention)",
           "segformer_b": "segmentation", "dpt": "segmentation", "mobilevit": "segmentation",
           "time_series": "time series", "informer": "time series", "autoformer": "time series",
-          "patchtst": "time series", "encoder_classifier": "encoder (torch)", "gru_lm": "rnn"}
+          "patchtst": "time series", "encoder_classifier": "encoder (torch)", "gru_lm": "rnn",
+          "jamba": "hybrid state-space (scan + attention + moe)"}
 
 
 def main(argv: list[str] | None = None) -> None:

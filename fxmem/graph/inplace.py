@@ -52,6 +52,17 @@ def _embedding_backward_into(other, grad, indices, padding_idx):
     return other.index_add_(0, rows, summed)
 
 
+def _select_scatter_into(base, src, dim, index):
+    # The slot written is a copy either way (``remat.scan_grads``: a loop's slice gradients).
+    base.select(dim, index).copy_(src)
+    return base
+
+
+def _slice_scatter_into(base, src, dim=0, start=None, end=None, step=1):
+    aten.slice.Tensor(base, dim, start, end, step).copy_(src)
+    return base
+
+
 @torch.library.custom_op("fxmem::embedding_backward_add", mutates_args=())
 def embedding_backward_add(other: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor,
                            padding_idx: int) -> torch.Tensor:
@@ -72,7 +83,9 @@ EMBEDDING_BACKWARD_ADD = torch.ops.fxmem.embedding_backward_add.default
 INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_into_grad,
               aten._softmax_backward_data.default: _softmax_backward_into_grad,
               aten.native_dropout_backward.default: _dropout_backward_into_grad,
-              EMBEDDING_BACKWARD_ADD: _embedding_backward_into}
+              EMBEDDING_BACKWARD_ADD: _embedding_backward_into,
+              aten.select_scatter.default: _select_scatter_into,
+              aten.slice_scatter.default: _slice_scatter_into}
 
 # functions whose result is their first argument's storage (liveness: no new allocation)
 WRITES_INTO_FIRST = frozenset(INTO_FIRST.values())

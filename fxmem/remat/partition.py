@@ -36,6 +36,7 @@ from .context import PlanContext
 from .fences import scatter_into_sums
 from .plan import Plan, plan
 from .replay import make_replayable
+from .scan_grads import accumulate_slice_gradients
 from .settings import PlanSettings
 from .split import Split, split
 from .tied import accumulate_tied_embeddings
@@ -69,10 +70,11 @@ def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings
     """Stage: the joint graph, its size reads made early (``hoist_size_reads``), a tied
     embedding's gradient summed into its other use's (``tied``
     for eager's kernel; for Inductor's decomposition, scattered into it: ``fences.scatter_into_sums``,
-    which the simulator then counts in place), its random ops made replayable (and, at level 2,
-    dropout masks packed); for the eager inner compiler, the views that copy on CPU marked
-    (``graph.layouts``)."""
+    which the simulator then counts in place), a loop's slice gradients written into one buffer
+    (``scan_grads``), its random ops made replayable (and, at level 2, dropout masks packed); for
+    the eager inner compiler, the views that copy on CPU marked (``graph.layouts``)."""
     accumulate_tied_embeddings(gm)
+    accumulate_slice_gradients(gm)
     hoist_size_reads(gm)
     if settings.target.reuses_buffers:  # the eager inner compiler runs the CPU kernels' layouts
         mark_copies(gm)

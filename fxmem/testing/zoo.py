@@ -156,7 +156,9 @@ def mamba(batch=2, seq=16, vocab=512, d=32, layers=2, seed=0, associative_scan=F
     (``config.use_associative_scan``, on by default) when Dynamo traces it: another algorithm,
     whose backward holds more (its tree levels and full-size slice gradients). The zoo pins the
     loop so that the compiled step computes what the eager step and Hugging Face's checkpointing
-    compute; ``associative_scan=True`` builds the config's default (docs/benchmarks.md measures it).
+    compute under any backend; ``associative_scan=True`` builds the config's default, which
+    fxmem also has Dynamo trace as the loop up to 256 steps (``fxmem.graph_breaks``;
+    docs/benchmarks.md).
     """
     return _hf("mamba", "MambaForCausalLM", _tokens(batch, seq, vocab, seed), seed, vocab_size=vocab,
                hidden_size=d, state_size=8, num_hidden_layers=layers, use_cache=False,
