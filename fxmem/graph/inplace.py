@@ -9,6 +9,7 @@ has an in-place form (``remat.tied``: a tied embedding's gradient added to its o
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 aten = torch.ops.aten
 
@@ -89,3 +90,16 @@ INTO_FIRST = {aten._log_softmax_backward_data.default: _log_softmax_backward_int
 
 # functions whose result is their first argument's storage (liveness: no new allocation)
 WRITES_INTO_FIRST = frozenset(INTO_FIRST.values())
+
+
+def sum_into(gm: fx.GraphModule, add: fx.Node, summand: fx.Node, target, args: tuple) -> fx.Node:
+    """Replace ``add`` (a sum of an accumulator and ``summand``) by ``target(*args)``, one op that
+    computes the same sum into the accumulator's buffer where the inner compiler runs in place;
+    ``summand``'s node, read only by ``add``, is erased with it (``remat.tied``, ``remat.scan_grads``)."""
+    with gm.graph.inserting_before(add):
+        new = gm.graph.call_function(target, args)
+    new.meta = dict(add.meta)
+    add.replace_all_uses_with(new)
+    gm.graph.erase_node(add)
+    gm.graph.erase_node(summand)
+    return new

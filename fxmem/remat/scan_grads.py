@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..graph.inplace import sum_into
+
 aten = torch.ops.aten
 
 
@@ -99,12 +101,7 @@ def accumulate_slice_gradients(gm: fx.GraphModule) -> int:
                 continue
             key, slots = filled[acc]
             slots = slots if len(acc.users) == 1 else set(slots)
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(*_scatter(acc, summand, *leaf[1]))
-            new.meta = dict(n.meta)
-            n.replace_all_uses_with(new)
-            gm.graph.erase_node(n)
-            gm.graph.erase_node(summand)
+            new = sum_into(gm, n, summand, *_scatter(acc, summand, *leaf[1]))
             filled.pop(summand, None)
             slots.update(range(*leaf[1]))
             filled[new] = (key, slots)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph.inplace import EMBEDDING_BACKWARD_ADD
+from ..graph.inplace import EMBEDDING_BACKWARD_ADD, sum_into
 
 aten = torch.ops.aten
 
@@ -48,12 +48,7 @@ def accumulate_tied_embeddings(gm: fx.GraphModule) -> int:
                     and va.dtype == out.dtype):
                 continue
             grad, ids, _, pad, _ = e.args
-            with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(EMBEDDING_BACKWARD_ADD, (a, grad, ids, pad))
-            new.meta = dict(n.meta)
-            n.replace_all_uses_with(new)
-            gm.graph.erase_node(n)
-            gm.graph.erase_node(e)
+            sum_into(gm, n, e, EMBEDDING_BACKWARD_ADD, (a, grad, ids, pad))
             count += 1
             break
     if count:
