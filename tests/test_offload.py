@@ -173,16 +173,17 @@ def test_peak_budget_below_recomputes_least_peak_is_met_with_offload():
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_an_unmet_peak_budget_gets_the_least_peak_offload_reaches(inner):
     """A cap below every plan with offload gets, with one warning, the least peak keeping,
-    recomputing and offloading reach: offload's own plan without a cap. (It was the least
-    recompute-only peak's plan with its values offloaded, which peaked higher on this conv net
-    with Inductor: 2,111,600 against 1,854,192 bytes.)"""
+    recomputing (anything a budget may) and offloading reach: never above offload's own plan,
+    which recomputes only what the level may. (It was the least recompute-only peak's plan with
+    its values offloaded, which peaked higher on this conv net with Inductor: 2,111,600 against
+    offload's own 1,854,192 bytes.)"""
     torch.manual_seed(0)
     w = Workload("conv stack", ConvStack(width=8, depth=6), _images(8, 32, 10, 0), lambda loss: loss)
     least, _ = _measured(w, {"inner": inner, "offload": True})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peak, rep = _measured(w, {"inner": inner, "peak_budget": 1, "offload": True})
-    assert peak == least
+    assert peak <= least
     assert sum("below every plan" in str(x.message) for x in caught) == 1
 
 
