@@ -11,12 +11,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # zoo_table
 
 import zoo_table  # noqa: E402
 
 from fxmem.testing import zoo  # noqa: E402
-from fxmem.testing.zoo import _causal, _hf, _images, _masked  # noqa: E402
+from fxmem.testing.zoo import _causal, _hf, _images, _masked, _seq2seq  # noqa: E402
 
 
 def _decoder(name: str, cls: str, **config):
@@ -44,6 +46,20 @@ def segformer(batch=2, size=32, classes=4, seed=0):
                num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=classes)
 
 
+def switch_transformers(batch=2, seq=16, vocab=512, d=32, layers=2, heads=4, experts=4, seed=0):
+    """SwitchTransformers: a T5 encoder-decoder whose every other layer routes each token to one of
+    ``experts`` experts (top-1, capacity-limited: the router's dispatch is a dynamic-shape op,
+    a graph break in every sparse layer), dropout 0.1. The batch holds the attention mask: without
+    it the stacks' ``forward`` subscripts ``None`` under Dynamo (transformers builds the all-ones
+    mask only when not compiling), so Dynamo gives up on those frames and runs them eagerly."""
+    batch_ = _seq2seq(batch, seq, vocab, seed)
+    batch_["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    return _hf("switch_transformers", "SwitchTransformersForConditionalGeneration", batch_, seed,
+               vocab_size=vocab, d_model=d, d_kv=d // heads, d_ff=2 * d, num_layers=layers,
+               num_decoder_layers=layers, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_heads=heads,
+               num_experts=experts, expert_capacity=seq, decoder_start_token_id=0, use_cache=False)
+
+
 OUTSIDE = {
     "opt": _decoder("opt", "OPTForCausalLM", ffn_dim=128, word_embed_proj_dim=32, pad_token_id=0),
     "phi": _decoder("phi", "PhiForCausalLM", intermediate_size=128),
@@ -54,9 +70,11 @@ OUTSIDE = {
                       pad_token_id=0),
     "bert": bert,
     "segformer": segformer,
+    "switch_transformers": switch_transformers,
 }
 FAMILY = {"opt": "decoder", "phi": "decoder (parallel attention)", "qwen2": "decoder", "olmoe": "moe",
-          "gemma": "decoder (multi-query)", "bert": "encoder", "segformer": "vision (conv + attention)"}
+          "gemma": "decoder (multi-query)", "bert": "encoder", "segformer": "vision (conv + attention)",
+          "switch_transformers": "encoder-decoder (routed experts)"}
 
 
 def main(argv: list[str] | None = None) -> None:

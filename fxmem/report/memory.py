@@ -62,23 +62,37 @@ class Phases:
                    at["gradients"])
 
 
-def chained_peak(parts: list[Phases]) -> int:
+def chained_peak(parts: list[Phases], lives: list[list[list]] | None = None) -> int:
     """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
     their forwards in order, then their backwards in reverse. Each forward runs above the kept
-    values and outputs of the graphs before it (a graph's outputs are the next one's inputs and
-    are alive until that one's backward, which usually keeps them); each backward runs above
-    those too and above the parameter gradients the later graphs' backwards left (their
-    inputs' gradients are this backward's incoming gradients, counted in its peak). One graph:
-    its own forward and backward peaks. Work between the graphs (code Dynamo ran eagerly) is
-    not seen."""
-    best = held = 0
-    for p in parts:
-        best = max(best, held + p.forward)
-        held += p.kept + p.outputs
+    values of the graphs before it and above their outputs still alive; each backward runs above
+    those that stay alive until it and above the parameter gradients the later graphs' backwards
+    left (their inputs' gradients are this backward's incoming gradients, counted in its peak).
+    One graph: its own forward and backward peaks.
+
+    ``lives[k]``: how long run ``k``'s outputs stayed alive in the step that ran
+    (``[fraction of its outputs' bytes, later forward runs it outlived or -1: until the backward]``
+    each, :class:`fxmem.compilation.Outputs`); a value the next graph consumed and dropped is then
+    held through that graph only, one that a later graph keeps (or the caller holds) until this
+    graph's backward. Without it every output is held until its graph's backward.
+
+    Work between the graphs (code Dynamo ran eagerly) is not seen."""
+    def alive(k: int, at: int) -> int:  # run k's outputs alive during forward run ``at`` (> k)
+        if lives is None or k >= len(lives) or not lives[k]:
+            return parts[k].outputs
+        return round(parts[k].outputs * sum(f for f, n in lives[k] if n < 0 or at - k <= n))
+
+    best = kept = 0
+    for i, p in enumerate(parts):
+        best = max(best, kept + sum(alive(k, i) for k in range(i)) + p.forward)
+        kept += p.kept
+    end = len(parts)  # the backward: only what was alive when it began
+    held = kept + sum(alive(k, end + 1 + len(parts)) for k in range(end)) if lives is not None else \
+        kept + sum(p.outputs for p in parts)
     grads = 0
     for j in reversed(range(len(parts))):
         p = parts[j]
-        held -= p.kept + p.outputs
+        held -= p.kept + (alive(j, 2 * end + 1) if lives is not None else p.outputs)
         best = max(best, held + grads + p.backward)
         grads += p.gradients - (parts[j - 1].tangents if j else 0)
     return best
@@ -100,6 +114,8 @@ class MemoryReport:
     # The latest step's graphs (indices into ``graphs``) in the order their forwards ran, a graph
     # once per call: several where graph breaks split the step. Empty: the latest graph alone.
     step: list[int] = field(default_factory=list)
+    # Per entry of ``step``: how long that run's outputs stayed alive (see :func:`chained_peak`).
+    step_outputs: list[list[list]] = field(default_factory=list)
 
     def __str__(self) -> str:
         parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
@@ -138,7 +154,8 @@ class MemoryReport:
     def _chained(self, values_of: Callable[[GraphReport], dict[str, int]]) -> int:
         order = self.step or [len(self.graphs) - 1]
         parts = {i: Phases.of(self.graphs[i], values_of(self.graphs[i])) for i in set(order)}
-        return chained_peak([parts[i] for i in order])
+        lives = self.step_outputs if self.step and len(self.step_outputs) == len(order) else None
+        return chained_peak([parts[i] for i in order], lives)
 
     def host_bytes(self, **shapes: Any) -> int:
         """Host bytes a step holds at the given input shapes: the saved values its graphs hand to
@@ -185,7 +202,8 @@ class MemoryReport:
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
                 "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
-                "dynamo_unsupported": self.dynamo_unsupported, "step": self.step}
+                "dynamo_unsupported": self.dynamo_unsupported, "step": self.step,
+                "step_outputs": self.step_outputs}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -210,7 +228,8 @@ class MemoryReport:
             graphs.append(GraphReport(**g))
         return cls(graphs, per_example=data.get("per_example", []),
                    unplanned_lowerings=data.get("unplanned_lowerings", []),
-                   dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []))
+                   dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []),
+                   step_outputs=data.get("step_outputs", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
