@@ -303,11 +303,18 @@ def _offloaded(split, sizes, owner: dict[str, str]) -> list[list]:
 
 def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, sympy.Expr]:
     """``GraphReport.crossing``: the backward's counted placeholders (kept values and tangents, as
-    its schedule allocates them), the forward's outputs it does not keep, the backward's outputs."""
+    its schedule allocates them), the forward's outputs it does not keep, the backward's outputs.
+    An output that is a view holds its whole storage (the value of a fused projection returned
+    as a slice keeps the projection), counted once however many outputs share it, and not where
+    a kept value holds it already."""
     placeholders = {n.name for n in split.bw.graph.find_nodes(op="placeholder")}
-    fw_out = {n for n in split.fw.graph.output_node().all_input_nodes if n.name not in placeholders}
+    root = storage_roots(split.fw)
+    outs = split.fw.graph.output_node().all_input_nodes
+    kept = {root[n] for n in outs if n.name in placeholders}
+    held = dict.fromkeys(root[n] for n in outs if n.name not in placeholders)
     bw_out = set(split.bw.graph.output_node().all_input_nodes)
-    return {**taken(split, bw), "outputs": _sum(nbytes(n) for n in fw_out if n.op != "placeholder"),
+    return {**taken(split, bw),
+            "outputs": _sum(nbytes(r) for r in held if r.op != "placeholder" and r not in kept),
             "gradients": _sum(sizes.nbytes(n) for n in bw_out)}
 
 
