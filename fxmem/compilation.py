@@ -98,19 +98,27 @@ _FORWARD, _BACKWARD = True, False
 
 @dataclass(eq=False)
 class Outputs:
-    """The outputs of one forward run of a step (those that are not its inputs), and how long
-    each stayed alive: ``later[i]`` is the number of the step's later forward runs it outlived
-    (None: alive when the backward began, held by a later graph's saved tensors, an eager autograd
-    node or the caller). Read from weak references to their storages after each later run."""
+    """What one forward run of a step made or took alive, and how long each stayed alive: its
+    outputs (those that are not its inputs) and, with ``taken[i]`` its input position, the
+    inputs that eager code made between the graphs (an input with a ``grad_fn`` that no watched
+    run returned: what the caller's code computed, which this graph may keep for its backward).
+    ``later[i]`` is the number of the step's later forward runs it outlived (None: alive when the
+    backward began, held by a graph's saved tensors, an eager autograd node or the caller). Read
+    from weak references to their storages after each later run."""
     nbytes: list[int]
     refs: list[Any]  # torch.multiprocessing.reductions.StorageWeakRef, dropped once decided
     later: list[int | None]
     run: int  # this run's number among the process's forward runs
+    taken: list[int | None] = field(default_factory=list)  # None: an output; else the input's position
 
     def shares(self) -> list[list]:
-        """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward)]`` per output."""
-        total = sum(self.nbytes) or 1
-        return [[b / total, -1 if n is None else n] for b, n in zip(self.nbytes, self.later)]
+        """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward)]`` per
+        output; then ``[-2 - input position, bytes, later runs outlived]`` per eager-made input."""
+        kinds = self.taken or [None] * len(self.nbytes)
+        total = sum(b for b, k in zip(self.nbytes, kinds) if k is None) or 1
+        out = [[b / total, -1 if n is None else n] for b, n, k in zip(self.nbytes, self.later, kinds) if k is None]
+        return out + [[-2 - k, b, -1 if n is None else n]
+                      for b, n, k in zip(self.nbytes, self.later, kinds) if k is not None]
 
 
 # The forward runs whose outputs are still being watched (those since the latest backward began).
@@ -127,16 +135,21 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
         except Exception:  # noqa: BLE001 - a tensor without a storage (a subclass): not watched
             return None
 
-    refs: dict[int, tuple[int, Any]] = {}
+    refs: dict[int, tuple[int, Any, int | None]] = {}
     for t in outs:
         if isinstance(t, torch.Tensor) and (r := key(t)) is not None:
-            refs.setdefault(r.cdata, (t.untyped_storage().nbytes(), r))
-    if refs:
-        for a in args:
-            if isinstance(a, torch.Tensor) and (r := key(a)) is not None:
-                refs.pop(r.cdata, None)  # an input (or a view of one) returned: not made by this run
+            refs.setdefault(r.cdata, (t.untyped_storage().nbytes(), r, None))
+    watched = {r.cdata for o in _OPEN for r in o.refs if r is not None and not r.expired()}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and (r := key(a)) is not None:
+            refs.pop(r.cdata, None)  # an input (or a view of one) returned: not made by this run
+            if a.grad_fn is not None and r.cdata not in watched and not isinstance(a, torch.nn.Parameter):
+                refs[r.cdata] = (a.untyped_storage().nbytes(), r, i)  # made by eager code
+                watched.add(r.cdata)
     _RUNS[0] += 1
-    return Outputs([b for b, _ in refs.values()], [r for _, r in refs.values()], [None] * len(refs), _RUNS[0])
+    values = list(refs.values())
+    return Outputs([b for b, _, _ in values], [r for _, r, _ in values], [None] * len(values), _RUNS[0],
+                   [k for _, _, k in values])
 
 
 def _watch(run: int) -> None:

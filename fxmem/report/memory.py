@@ -62,7 +62,8 @@ class Phases:
                    at["gradients"])
 
 
-def chained_peak(parts: list[Phases], lives: list[list[list]] | None = None) -> int:
+def chained_peak(parts: list[Phases], lives: list[list[list]] | None = None,
+                 made: list[list[tuple[int, int]]] | None = None) -> int:
     """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
     their forwards in order, then their backwards in reverse. Each forward runs above the kept
     values of the graphs before it and above their outputs still alive; each backward runs above
@@ -74,28 +75,46 @@ def chained_peak(parts: list[Phases], lives: list[list[list]] | None = None) -> 
     (``[fraction of its outputs' bytes, later forward runs it outlived or -1: until the backward]``
     each, :class:`fxmem.compilation.Outputs`); a value the next graph consumed and dropped is then
     held through that graph only, one that a later graph keeps (or the caller holds) until this
-    graph's backward. Without it every output is held until its graph's backward.
+    graph's backward. Without it every output is held until its graph's backward. ``made[k]``:
+    ``(bytes, later runs outlived or -1)`` of each value eager code made between the graphs that
+    run ``k`` took first (held from run ``k`` on, as long as it lived).
 
-    Work between the graphs (code Dynamo ran eagerly) is not seen."""
-    def alive(k: int, at: int) -> int:  # run k's outputs alive during forward run ``at`` (> k)
+    Other work between the graphs (code Dynamo ran eagerly: its temporaries, and what its
+    autograd nodes save of values no graph took) is not seen."""
+    def lived(later: int, k: int, at: int | None) -> bool:  # ``at`` None: the backward
+        return later < 0 or (at is not None and at - k <= later)
+
+    def alive(k: int, at: int | None) -> int:
+        """Run ``k``'s outputs alive during forward run ``at`` (> k) and the values eager code made
+        that it took (``at`` >= k)."""
+        taken = sum(b for b, n in made[k] if lived(n, k, at)) if made is not None and k < len(made) else 0
+        if at == k:
+            return taken
         if lives is None or k >= len(lives) or not lives[k]:
-            return parts[k].outputs
-        return round(parts[k].outputs * sum(f for f, n in lives[k] if n < 0 or at - k <= n))
+            return parts[k].outputs + taken
+        return round(parts[k].outputs * sum(f for f, n in lives[k] if lived(n, k, at))) + taken
 
     best = kept = 0
     for i, p in enumerate(parts):
-        best = max(best, kept + sum(alive(k, i) for k in range(i)) + p.forward)
+        best = max(best, kept + sum(alive(k, i) for k in range(i + 1)) + p.forward)
         kept += p.kept
-    end = len(parts)  # the backward: only what was alive when it began
-    held = kept + sum(alive(k, end + 1 + len(parts)) for k in range(end)) if lives is not None else \
-        kept + sum(p.outputs for p in parts)
+    held = kept + sum(alive(k, None) for k in range(len(parts)))
     grads = 0
     for j in reversed(range(len(parts))):
         p = parts[j]
-        held -= p.kept + (alive(j, 2 * end + 1) if lives is not None else p.outputs)
+        held -= p.kept + alive(j, None)
         best = max(best, held + grads + p.backward)
         grads += p.gradients - (parts[j - 1].tangents if j else 0)
     return best
+
+
+def _at_shape(g: GraphReport, position: int, nbytes: int, values: Mapping[str, int]) -> int:
+    """``nbytes`` measured for ``g``'s input ``position`` at the compiled shape, at ``values``."""
+    if position >= len(g.input_bytes):
+        return nbytes
+    formula = sympy.sympify(g.input_bytes[position])
+    compiled = evaluate(formula, g.values)
+    return nbytes if not compiled else round(nbytes * evaluate(formula, values) / compiled)
 
 
 @dataclass
@@ -155,7 +174,12 @@ class MemoryReport:
         order = self.step or [len(self.graphs) - 1]
         parts = {i: Phases.of(self.graphs[i], values_of(self.graphs[i])) for i in set(order)}
         lives = self.step_outputs if self.step and len(self.step_outputs) == len(order) else None
-        return chained_peak([parts[i] for i in order], lives)
+        made = None
+        if lives is not None:
+            made = [[(_at_shape(self.graphs[i], -2 - e[0], e[1], values_of(self.graphs[i])), e[2])
+                     for e in lives[k] if len(e) == 3] for k, i in enumerate(order)]
+            lives = [[e for e in entry if len(e) == 2] for entry in lives]
+        return chained_peak([parts[i] for i in order], lives, made)
 
     def host_bytes(self, **shapes: Any) -> int:
         """Host bytes a step holds at the given input shapes: the saved values its graphs hand to
