@@ -110,24 +110,40 @@ class Outputs:
     later: list[int | None]
     run: int  # this run's number among the process's forward runs
     taken: list[int | None] = field(default_factory=list)  # None: an output; else the input's position
+    # the forward run (number) in whose backward each value alive at the backward's start died
+    # (seen at the next graph's backward, or when the next step begins); None: not seen
+    freed: list[int | None] = field(default_factory=list)
 
     def shares(self) -> list[list]:
-        """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward)]`` per
-        output; then ``[-2 - input position, bytes, later runs outlived]`` per eager-made input."""
+        """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward), the run
+        in whose backward it died]`` per output; then ``[-2 - input position, bytes, later runs
+        outlived, the run in whose backward it died]`` per eager-made input."""
         kinds = self.taken or [None] * len(self.nbytes)
+        freed = self.freed or [None] * len(self.nbytes)
         total = sum(b for b, k in zip(self.nbytes, kinds) if k is None) or 1
-        out = [[b / total, -1 if n is None else n] for b, n, k in zip(self.nbytes, self.later, kinds) if k is None]
-        return out + [[-2 - k, b, -1 if n is None else n]
-                      for b, n, k in zip(self.nbytes, self.later, kinds) if k is not None]
+        rows = zip(self.nbytes, self.later, kinds, freed)
+        out = [[b / total, -1 if n is None else n, f] for b, n, k, f in rows if k is None]
+        return out + [[-2 - k, b, -1 if n is None else n, f]
+                      for b, n, k, f in zip(self.nbytes, self.later, kinds, freed) if k is not None]
 
 
 # The forward runs whose outputs are still being watched (those since the latest backward began).
 _OPEN: list[Outputs] = []
 _RUNS = [0]  # forward runs so far
+# The step's values alive when its backward began, watched until they die, and the forward run
+# whose backward ran last.
+_DYING: list[Outputs] = []
+_LAST_BACKWARD: list[int | None] = [None]
 
 
 def _outputs(outs: tuple, args: tuple) -> Outputs:
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    if _DYING:  # a new step: the last step's backward is over
+        _died_in_backward()
+        for o in _DYING:
+            o.refs = [None] * len(o.refs)
+        _DYING.clear()
 
     def key(t: torch.Tensor):
         try:
@@ -177,16 +193,33 @@ def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
         if len(_OPEN) > _CALLS.maxlen:  # forwards without a backward, their outputs kept: stop watching
             _OPEN.pop(0).refs = []
     _CALLS.append((ref, _FORWARD, watched))
-    fn.register_prehook(lambda grads: _backward(ref))
+    fn.register_prehook(lambda grads: _backward(ref, watched.run))
 
 
-def _backward(ref: "weakref.ref[Compilation]") -> None:
-    if _OPEN:  # the step's backward begins: what is alive now stays until its graph's backward
+def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:
+    """A logged run's backward is about to run: what died since the previous one died in that
+    one's backward (or in eager backward code after it)."""
+    if _OPEN:  # the step's backward begins: what is alive now stays until it dies in a backward
         _watch(_RUNS[0])
         for o in _OPEN:
-            o.refs = [None] * len(o.refs)
+            o.freed = [None] * len(o.refs)
+        _DYING[:] = [o for o in _OPEN if any(o.refs)]
         _OPEN.clear()
+        _LAST_BACKWARD[0] = None
+    _died_in_backward()
+    _LAST_BACKWARD[0] = run
     _CALLS.append((ref, _BACKWARD, None))
+
+
+def _died_in_backward() -> None:
+    last = _LAST_BACKWARD[0]
+    for o in list(_DYING):
+        for i, r in enumerate(o.refs):
+            if r is not None and r.expired():
+                o.refs[i] = None
+                o.freed[i] = last
+        if not any(o.refs):
+            _DYING.remove(o)
 
 
 def last_step(comps: list[Compilation], others: bool = False) -> list[Compilation]:
@@ -204,6 +237,8 @@ def last_step(comps: list[Compilation], others: bool = False) -> list[Compilatio
 
 def last_step_runs(comps: list[Compilation], others: bool = False) -> list[tuple[Compilation, Outputs]]:
     """:func:`last_step` with each forward run's :class:`Outputs`."""
+    if _DYING and all(o.refs is not None for o in _DYING):
+        _died_in_backward()  # what died since the last graph's backward began died in it
     mine = {id(c) for c in comps}
     runs = [(c, kind, o) for c, kind, o in ((r(), kind, o) for r, kind, o in _CALLS) if c is not None]
     if not others:

@@ -37,7 +37,9 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
     index = {id(g): i for i, g in enumerate(graphs)}
     latest = {id(c): index[id(g)] for c in comps for g in c.graphs if id(g) in index}  # its last planned graph
     step = [latest[id(c)] for c in ran if id(c) in latest]
-    lives = [o.shares() for c, o in runs if id(c) in latest]
+    kept_runs = [o for c, o in runs if id(c) in latest]
+    position = {o.run: k for k, o in enumerate(kept_runs)}
+    lives = [[[*row[:-1], position.get(row[-1], -1)] for row in o.shares()] for o in kept_runs]
     names = _positional_names(compiled)
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],

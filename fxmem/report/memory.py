@@ -62,8 +62,8 @@ class Phases:
                    at["gradients"])
 
 
-def chained_peak(parts: list[Phases], lives: list[list[list]] | None = None,
-                 made: list[list[tuple[int, int]]] | None = None) -> int:
+def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
+                 made: list[list[tuple[int, int, int]]] | None = None) -> int:
     """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
     their forwards in order, then their backwards in reverse. Each forward runs above the kept
     values of the graphs before it and above their outputs still alive; each backward runs above
@@ -72,37 +72,52 @@ def chained_peak(parts: list[Phases], lives: list[list[list]] | None = None,
     One graph: its own forward and backward peaks.
 
     ``lives[k]``: how long run ``k``'s outputs stayed alive in the step that ran
-    (``[fraction of its outputs' bytes, later forward runs it outlived or -1: until the backward]``
+    (``(fraction of its outputs' bytes, later forward runs it outlived or -1: until the backward, ...)``
     each, :class:`fxmem.compilation.Outputs`); a value the next graph consumed and dropped is then
     held through that graph only, one that a later graph keeps (or the caller holds) until this
     graph's backward. Without it every output is held until its graph's backward. ``made[k]``:
     ``(bytes, later runs outlived or -1)`` of each value eager code made between the graphs that
-    run ``k`` took first (held from run ``k`` on, as long as it lived).
+    run ``k`` took first (held from run ``k`` on, as long as it lived). Each entry of both ends
+    with the run in whose backward the value died (-1: not seen; then its own run's): a value
+    alive at the backward's start is held until that backward, and taken to be freed before
+    that backward's peak (a graph's saved input is freed at its last use there).
 
     Other work between the graphs (code Dynamo ran eagerly: its temporaries, and what its
     autograd nodes save of values no graph took) is not seen."""
-    def lived(later: int, k: int, at: int | None) -> bool:  # ``at`` None: the backward
-        return later < 0 or (at is not None and at - k <= later)
+    def lived(later: int, k: int, at: int) -> bool:
+        return later < 0 or at - k <= later
 
-    def alive(k: int, at: int | None) -> int:
+    def alive(k: int, at: int) -> int:
         """Run ``k``'s outputs alive during forward run ``at`` (> k) and the values eager code made
         that it took (``at`` >= k)."""
-        taken = sum(b for b, n in made[k] if lived(n, k, at)) if made is not None and k < len(made) else 0
+        taken = sum(b for b, n, _ in made[k] if lived(n, k, at)) if made is not None and k < len(made) else 0
         if at == k:
             return taken
         if lives is None or k >= len(lives) or not lives[k]:
             return parts[k].outputs + taken
-        return round(parts[k].outputs * sum(f for f, n in lives[k] if lived(n, k, at))) + taken
+        return round(parts[k].outputs * sum(f for f, n, _ in lives[k] if lived(n, k, at))) + taken
+
+    def until(k: int) -> list[tuple[int, int]]:
+        """What run ``k`` left alive at the backward's start: (bytes, the run in whose backward
+        it dies: where it was seen to die, else run ``k``'s own)."""
+        if lives is None or k >= len(lives) or not lives[k]:
+            out = [(parts[k].outputs, k)]
+        else:
+            out = [(round(parts[k].outputs * f), k if j < 0 else j) for f, n, j in lives[k] if n < 0]
+        if made is not None and k < len(made):
+            out += [(b, k if j < 0 else j) for b, n, j in made[k] if n < 0]
+        return out
 
     best = kept = 0
     for i, p in enumerate(parts):
         best = max(best, kept + sum(alive(k, i) for k in range(i + 1)) + p.forward)
         kept += p.kept
-    held = kept + sum(alive(k, None) for k in range(len(parts)))
+    left = [e for k in range(len(parts)) for e in until(k)]
     grads = 0
     for j in reversed(range(len(parts))):
         p = parts[j]
-        held -= p.kept + alive(j, None)
+        kept -= p.kept  # its own kept values are in its backward's peak
+        held = kept + sum(b for b, r in left if r < j)  # those dying in this backward: freed before its peak
         best = max(best, held + grads + p.backward)
         grads += p.gradients - (parts[j - 1].tangents if j else 0)
     return best
@@ -176,9 +191,9 @@ class MemoryReport:
         lives = self.step_outputs if self.step and len(self.step_outputs) == len(order) else None
         made = None
         if lives is not None:
-            made = [[(_at_shape(self.graphs[i], -2 - e[0], e[1], values_of(self.graphs[i])), e[2])
-                     for e in lives[k] if len(e) == 3] for k, i in enumerate(order)]
-            lives = [[e for e in entry if len(e) == 2] for entry in lives]
+            made = [[(_at_shape(self.graphs[i], -2 - e[0], e[1], values_of(self.graphs[i])), e[2], e[3])
+                     for e in lives[k] if len(e) == 4] for k, i in enumerate(order)]
+            lives = [[tuple(e) for e in entry if len(e) == 3] for entry in lives]
         return chained_peak([parts[i] for i in order], lives, made)
 
     def host_bytes(self, **shapes: Any) -> int:
