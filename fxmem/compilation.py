@@ -113,6 +113,8 @@ class Outputs:
     # the forward run (number) in whose backward each value alive at the backward's start died
     # (seen at the next graph's backward, or when the next step begins); None: not seen
     freed: list[int | None] = field(default_factory=list)
+    # the parameters this run took: storage address -> (bytes, trainable): the step's resident bytes
+    params: dict[int, tuple[int, bool]] = field(default_factory=dict)
 
     def shares(self) -> list[list]:
         """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward), the run
@@ -156,7 +158,10 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
         if isinstance(t, torch.Tensor) and (r := key(t)) is not None:
             refs.setdefault(r.cdata, (t.untyped_storage().nbytes(), r, None))
     watched = {r.cdata for o in _OPEN for r in o.refs if r is not None and not r.expired()}
+    params: dict[int, tuple[int, bool]] = {}
     for i, a in enumerate(args):
+        if isinstance(a, torch.nn.Parameter):
+            params[a.untyped_storage().data_ptr()] = (a.untyped_storage().nbytes(), a.requires_grad)
         if isinstance(a, torch.Tensor) and (r := key(a)) is not None:
             refs.pop(r.cdata, None)  # an input (or a view of one) returned: not made by this run
             if a.grad_fn is not None and r.cdata not in watched and not isinstance(a, torch.nn.Parameter):
@@ -165,7 +170,7 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
     _RUNS[0] += 1
     values = list(refs.values())
     return Outputs([b for b, _, _ in values], [r for _, r, _ in values], [None] * len(values), _RUNS[0],
-                   [k for _, _, k in values])
+                   [k for _, _, k in values], params=params)
 
 
 def _watch(run: int) -> None:

@@ -86,6 +86,8 @@ def test_what_crosses_a_break_is_counted(options):
     params = {id(p) for p in model.parameters()}
     loss = [g for g in rep.step_graphs() if g.trainable_bytes == 0]
     assert loss and params  # the loss graph, which takes no parameter, is in the step
+    # resident: every graph's parameters (the latest graph, the loss, takes none)
+    assert rep.resident_bytes() == sum(p.numel() * p.element_size() for p in model.parameters())
     # each cause on its own: without the runs' lifetimes (every output held until its backward,
     # the eager-made values not seen) the prediction is off by more than the bar
     blind = MemoryReport(rep.graphs, step=rep.step)

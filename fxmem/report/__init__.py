@@ -32,7 +32,8 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
     runs = last_step_runs(comps, others=True)
     ran = [c for c, _ in runs]
     known = {id(c) for c in comps}
-    comps = comps + [c for c in dict.fromkeys(ran) if id(c) not in known]  # the step's other graphs
+    comps = sorted(comps + [c for c in dict.fromkeys(ran) if id(c) not in known],  # the step's other graphs
+                   key=lambda c: c.created_ns)
     graphs = [g for c in comps for g in c.graphs if g.report is not None]
     index = {id(g): i for i, g in enumerate(graphs)}
     latest = {id(c): index[id(g)] for c in comps for g in c.graphs if id(g) in index}  # its last planned graph
@@ -40,12 +41,14 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
     kept_runs = [o for c, o in runs if id(c) in latest]
     position = {o.run: k for k, o in enumerate(kept_runs)}
     lives = [[[*row[:-1], position.get(row[-1], -1)] for row in o.shares()] for o in kept_runs]
+    params = {k: v for o in kept_runs for k, v in o.params.items()}
+    resident = [sum(b for b, _ in params.values()), sum(b for b, t in params.values() if t)] if params else []
     names = _positional_names(compiled)
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
-                        _dynamo_unsupported(bool(comps)), step, lives)
+                        _dynamo_unsupported(bool(comps)), step, lives, resident)
 
 
 def _dynamo_unsupported(graphs: bool) -> list[str]:

@@ -150,6 +150,9 @@ class MemoryReport:
     step: list[int] = field(default_factory=list)
     # Per entry of ``step``: how long that run's outputs stayed alive (see :func:`chained_peak`).
     step_outputs: list[list[list]] = field(default_factory=list)
+    # [parameter bytes, trainable parameter bytes] every graph of the latest step took (several
+    # graphs: each takes its own layers' parameters); empty: the latest graph's
+    step_params: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
@@ -233,16 +236,22 @@ class MemoryReport:
         return largest_batch(lambda b: state + peak_of(b) <= cap_bytes, limit)
 
     def resident_bytes(self, optimizer: str | float | None = None) -> int:
-        """Bytes alive across steps (latest graph): parameters, buffers and the optimizer's state
-        (see ``max_batch``)."""
+        """Bytes alive across steps: parameters, buffers and the optimizer's state (see
+        ``max_batch``). Where graph breaks split the step: the parameters every graph of the
+        latest step took (at least the latest graph's parameters and buffers); else the latest
+        graph's."""
         g = self._graph()
-        return g.model_bytes + int(optimizer_state_per_byte(optimizer) * g.trainable_bytes)
+        if len(self.step_params) == 2 and len(self.step_graphs()) > 1:
+            model, trainable = max(self.step_params[0], g.model_bytes), self.step_params[1]
+        else:
+            model, trainable = g.model_bytes, g.trainable_bytes
+        return model + int(optimizer_state_per_byte(optimizer) * trainable)
 
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
                 "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
                 "dynamo_unsupported": self.dynamo_unsupported, "step": self.step,
-                "step_outputs": self.step_outputs}
+                "step_outputs": self.step_outputs, "step_params": self.step_params}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -268,7 +277,7 @@ class MemoryReport:
         return cls(graphs, per_example=data.get("per_example", []),
                    unplanned_lowerings=data.get("unplanned_lowerings", []),
                    dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []),
-                   step_outputs=data.get("step_outputs", []))
+                   step_outputs=data.get("step_outputs", []), step_params=data.get("step_params", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
