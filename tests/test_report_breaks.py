@@ -27,14 +27,15 @@ def _eager_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, views: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.views = heads, views
         self.norm, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
 
     def project(self, x):  # q, k, v: views of one fused projection, returned across a break
         b, s, d = x.shape
-        return self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return qkv if self.views else [t.contiguous() for t in qkv]
 
     def forward(self, x):
         q, k, v = self.project(x)
@@ -47,26 +48,26 @@ class Broken(nn.Module):
     """Attention layers with graph breaks inside, an eager step between the layers, and the
     loss after a break in a graph of its own that takes no parameter."""
 
-    def __init__(self, d=64, heads=4, vocab=256):
+    def __init__(self, d=64, heads=4, vocab=256, views=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.first, self.second = Attention(d, heads), Attention(d, heads)
+        self.first, self.second = Attention(d, heads, views), Attention(d, heads, views)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids, labels):  # no loop: a break in a loop would leave this frame to eager
         x = _eager_scale(self.first(self.embed(ids)))
         x = _eager_scale(self.second(x))
-        logits = self.head(x)
+        logits = self.head(x.mean(1))  # small: a big one would die early in the loss graph's backward
         torch._dynamo.graph_break()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return F.cross_entropy(logits, labels[:, 0])
 
 
-def _step(options: dict, dynamic: bool = False):
+def _step(options: dict, views: bool = False):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Broken()
+    model = Broken(views=views)
     ids = torch.randint(0, 256, (8, 32))
-    compiled = torch.compile(model, backend="fxmem", dynamic=dynamic, options={"inner": "eager", **options})
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -88,17 +89,17 @@ def test_what_crosses_a_break_is_counted(options):
     assert loss and params  # the loss graph, which takes no parameter, is in the step
     # resident: every graph's parameters (the latest graph, the loss, takes none)
     assert rep.resident_bytes() == sum(p.numel() * p.element_size() for p in model.parameters())
-    # each cause on its own: without the runs' lifetimes (every output held until its backward,
-    # the eager-made values not seen) the prediction is off by more than the bar
-    blind = MemoryReport(rep.graphs, step=rep.step)
-    assert abs(blind.predict_peak() / measured - 1) > 0.05, (blind.predict_peak(), measured)
+    # without the runs' lifetimes (every output held until its graph's backward, the values eager
+    # code made not seen) the same graphs predict 4-6% over here
+    blind = MemoryReport(rep.graphs, step=rep.step).predict_peak()
+    assert blind - measured > max(0.03 * measured, 2 * abs(whole - measured)), (blind, whole, measured)
     again = MemoryReport.from_json(rep.to_json())
     assert again.step_outputs == rep.step_outputs and again.predict_peak() == whole
 
 
 @pytest.mark.slow
 def test_a_fused_projection_returned_as_views_holds_its_storage():
-    _, _, rep = _step({"level": 1})
+    _, _, rep = _step({"level": 1}, views=True)
     project = [g for g in rep.step_graphs() if any("qkv" in m for m in g.owners.values())]
     assert project
     # q, k and v are three views of one [8, 32, 192] float projection: 8*32*192*4 bytes, once

@@ -79,8 +79,8 @@ def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
     ``(bytes, later runs outlived or -1)`` of each value eager code made between the graphs that
     run ``k`` took first (held from run ``k`` on, as long as it lived). Each entry of both ends
     with the run in whose backward the value died (-1: not seen; then its own run's): a value
-    alive at the backward's start is held until that backward, and taken to be freed before
-    that backward's peak (a graph's saved input is freed at its last use there).
+    alive at the backward's start is held until that backward ends (an upper bound: a graph's
+    saved input may be freed at its last use there, before that backward's peak).
 
     Other work between the graphs (code Dynamo ran eagerly: its temporaries, and what its
     autograd nodes save of values no graph took) is not seen."""
@@ -117,7 +117,7 @@ def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
     for j in reversed(range(len(parts))):
         p = parts[j]
         kept -= p.kept  # its own kept values are in its backward's peak
-        held = kept + sum(b for b, r in left if r < j)  # those dying in this backward: freed before its peak
+        held = kept + sum(b for b, r in left if r <= j)  # those dying in this backward: held through it
         best = max(best, held + grads + p.backward)
         grads += p.gradients - (parts[j - 1].tangents if j else 0)
     return best
