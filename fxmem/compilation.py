@@ -81,19 +81,109 @@ class Compiled:
 
     def __call__(self, *args: Any) -> Any:
         self.compilation.called_ns = time.monotonic_ns()
+        if _OPEN:
+            _watch(_RUNS[0])  # outputs that died before this run outlived the runs up to the last one
         out = self.fn(*args)
-        _log_step(self.compilation, out)
+        _log_step(self.compilation, out, args)
         return out
 
 
 # The latest forward and backward runs of compiled graphs, oldest first (weakly): a step that
 # graph breaks split runs several graphs, some of them several times (a layer's resume
-# function); :func:`last_step` reads the latest step back from here.
-_CALLS: "deque[tuple[weakref.ref[Compilation], bool]]" = deque(maxlen=4096)
+# function); :func:`last_step` reads the latest step back from here. A forward run carries its
+# :class:`Outputs` (how long each output stayed alive).
+_CALLS: "deque[tuple[weakref.ref[Compilation], bool, Outputs | None]]" = deque(maxlen=4096)
 _FORWARD, _BACKWARD = True, False
 
 
-def _log_step(c: Compilation, out: Any) -> None:
+@dataclass(eq=False)
+class Outputs:
+    """What one forward run of a step made or took alive, and how long each stayed alive: its
+    outputs (those that are not its inputs) and, with ``taken[i]`` its input position, the
+    inputs that eager code made between the graphs (an input with a ``grad_fn`` that no watched
+    run returned: what the caller's code computed, which this graph may keep for its backward).
+    ``later[i]`` is the number of the step's later forward runs it outlived (None: alive when the
+    backward began, held by a graph's saved tensors, an eager autograd node or the caller). Read
+    from weak references to their storages after each later run."""
+    nbytes: list[int]
+    refs: list[Any]  # torch.multiprocessing.reductions.StorageWeakRef, dropped once decided
+    later: list[int | None]
+    run: int  # this run's number among the process's forward runs
+    taken: list[int | None] = field(default_factory=list)  # None: an output; else the input's position
+    # the forward run (number) in whose backward each value alive at the backward's start died
+    # (seen at the next graph's backward, or when the next step begins); None: not seen
+    freed: list[int | None] = field(default_factory=list)
+    # the parameters this run took: storage address -> (bytes, trainable): the step's resident bytes
+    params: dict[int, tuple[int, bool]] = field(default_factory=dict)
+
+    def shares(self) -> list[list]:
+        """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward), the run
+        in whose backward it died]`` per output; then ``[-2 - input position, bytes, later runs
+        outlived, the run in whose backward it died]`` per eager-made input."""
+        kinds = self.taken or [None] * len(self.nbytes)
+        freed = self.freed or [None] * len(self.nbytes)
+        total = sum(b for b, k in zip(self.nbytes, kinds) if k is None) or 1
+        rows = zip(self.nbytes, self.later, kinds, freed)
+        out = [[b / total, -1 if n is None else n, f] for b, n, k, f in rows if k is None]
+        return out + [[-2 - k, b, -1 if n is None else n, f]
+                      for b, n, k, f in zip(self.nbytes, self.later, kinds, freed) if k is not None]
+
+
+# The forward runs whose outputs are still being watched (those since the latest backward began).
+_OPEN: list[Outputs] = []
+_RUNS = [0]  # forward runs so far
+# The step's values alive when its backward began, watched until they die, and the forward run
+# whose backward ran last.
+_DYING: list[Outputs] = []
+_LAST_BACKWARD: list[int | None] = [None]
+
+
+def _outputs(outs: tuple, args: tuple) -> Outputs:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if _DYING:  # a new step: the last step's backward is over
+        _died_in_backward()
+        for o in _DYING:
+            o.refs = [None] * len(o.refs)
+        _DYING.clear()
+
+    def key(t: torch.Tensor):
+        try:
+            return StorageWeakRef(t.untyped_storage())
+        except Exception:  # noqa: BLE001 - a tensor without a storage (a subclass): not watched
+            return None
+
+    refs: dict[int, tuple[int, Any, int | None]] = {}
+    for t in outs:
+        if isinstance(t, torch.Tensor) and (r := key(t)) is not None:
+            refs.setdefault(r.cdata, (t.untyped_storage().nbytes(), r, None))
+    watched = {r.cdata for o in _OPEN for r in o.refs if r is not None and not r.expired()}
+    params: dict[int, tuple[int, bool]] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.nn.Parameter):
+            params[a.untyped_storage().data_ptr()] = (a.untyped_storage().nbytes(), a.requires_grad)
+        if isinstance(a, torch.Tensor) and (r := key(a)) is not None:
+            refs.pop(r.cdata, None)  # an input (or a view of one) returned: not made by this run
+            if a.grad_fn is not None and r.cdata not in watched and not isinstance(a, torch.nn.Parameter):
+                refs[r.cdata] = (a.untyped_storage().nbytes(), r, i)  # made by eager code
+                watched.add(r.cdata)
+    _RUNS[0] += 1
+    values = list(refs.values())
+    return Outputs([b for b, _, _ in values], [r for _, r, _ in values], [None] * len(values), _RUNS[0],
+                   [k for _, _, k in values], params=params)
+
+
+def _watch(run: int) -> None:
+    """The watched outputs that died by now outlived the forward runs up to number ``run``."""
+    for o in list(_OPEN):
+        for i, r in enumerate(o.refs):
+            if r is not None and r.expired():
+                o.later[i], o.refs[i] = run - o.run, None
+        if not any(o.refs):
+            _OPEN.remove(o)
+
+
+def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
     """Log a forward run that has a backward to come (an output with a ``grad_fn``), and that
     backward's run when autograd reaches it (a pre-hook on the output's ``grad_fn``)."""
     outs = out if isinstance(out, (list, tuple)) else (out,)
@@ -101,23 +191,73 @@ def _log_step(c: Compilation, out: Any) -> None:
     if fn is None:
         return
     ref = weakref.ref(c)
-    _CALLS.append((ref, _FORWARD))
-    fn.register_prehook(lambda grads: _CALLS.append((ref, _BACKWARD)))
+    watched = _outputs(tuple(outs), args)
+    _watch(watched.run)  # those this run consumed and freed outlived it
+    if any(watched.refs):
+        _OPEN.append(watched)
+        if len(_OPEN) > _CALLS.maxlen:  # forwards without a backward, their outputs kept: stop watching
+            _OPEN.pop(0).refs = []
+    _CALLS.append((ref, _FORWARD, watched))
+    fn.register_prehook(lambda grads: _backward(ref, watched.run))
 
 
-def last_step(comps: list[Compilation]) -> list[Compilation]:
+def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:
+    """A logged run's backward is about to run: what died since the previous one died in that
+    one's backward (or in eager backward code after it)."""
+    if _OPEN:  # the step's backward begins: what is alive now stays until it dies in a backward
+        _watch(_RUNS[0])
+        for o in _OPEN:
+            o.freed = [None] * len(o.refs)
+        _DYING[:] = [o for o in _OPEN if any(o.refs)]
+        _OPEN.clear()
+        _LAST_BACKWARD[0] = None
+    _died_in_backward()
+    _LAST_BACKWARD[0] = run
+    _CALLS.append((ref, _BACKWARD, None))
+
+
+def _died_in_backward() -> None:
+    last = _LAST_BACKWARD[0]
+    for o in list(_DYING):
+        for i, r in enumerate(o.refs):
+            if r is not None and r.expired():
+                o.refs[i] = None
+                o.freed[i] = last
+        if not any(o.refs):
+            _DYING.remove(o)
+
+
+def last_step(comps: list[Compilation], others: bool = False) -> list[Compilation]:
     """The forward runs of the latest training step among ``comps``, in order: the latest run of
     forwards with no backward between them (a step's forwards, then its backwards). Empty when
-    none of them ran with a backward to come."""
+    none of them ran with a backward to come.
+
+    ``others``: with the forward runs of every other record in that step too (the step is the
+    unit: a graph that takes none of the model's parameters, e.g. a loss or a router's glue
+    that a graph break left on its own, or a frame Dynamo reached through a function it could
+    not trace, holds memory in the same step): the whole run of forwards, of any record, that
+    holds ``comps``' latest one."""
+    return [c for c, _ in last_step_runs(comps, others)]
+
+
+def last_step_runs(comps: list[Compilation], others: bool = False) -> list[tuple[Compilation, Outputs]]:
+    """:func:`last_step` with each forward run's :class:`Outputs`."""
+    if _DYING and all(o.refs is not None for o in _DYING):
+        _died_in_backward()  # what died since the last graph's backward began died in it
     mine = {id(c) for c in comps}
-    runs = [(c, kind) for c, kind in ((r(), kind) for r, kind in _CALLS) if c is not None and id(c) in mine]
-    end = len(runs)
-    while end and runs[end - 1][1] is _BACKWARD:
-        end -= 1
-    start = end
+    runs = [(c, kind, o) for c, kind, o in ((r(), kind, o) for r, kind, o in _CALLS) if c is not None]
+    if not others:
+        runs = [(c, kind, o) for c, kind, o in runs if id(c) in mine]
+    last = max((i for i, (c, kind, _) in enumerate(runs) if kind is _FORWARD and id(c) in mine), default=None)
+    if last is None:
+        return []
+    end = last + 1
+    while end < len(runs) and runs[end][1] is _FORWARD:
+        end += 1
+    start = last
     while start and runs[start - 1][1] is _FORWARD:
         start -= 1
-    return [c for c, _ in runs[start:end]]
+    return [(c, o) for c, _, o in runs[start:end]]
 
 
 def compilations(compiled: Any = None, match: Iterable[torch.Tensor] | None = None) -> list[Compilation]:

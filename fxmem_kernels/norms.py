@@ -165,6 +165,14 @@ if HAS_TRITON:
 
 
 # -- shared helpers ---------------------------------------------------------------------------
+def _own(t: Tensor, shape) -> Tensor:
+    """``t.view(shape)`` as a tensor autograd does not take for a view (``aten._unsafe_view``): an
+    op's output that is a view of its own temporary would be a view "created inside a custom
+    Function" once a compiled graph returns it, and a later graph that updates it in place
+    (SwitchTransformers' router jitter, ``hidden_states *= noise``) would fail."""
+    return torch.ops.aten._unsafe_view(t, shape)
+
+
 def _check(name: str, x: Tensor, eps: float, **params: Optional[Tensor]) -> None:
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"fxmem_kernels.{name}: x must have a non-empty last dim, "
@@ -236,7 +244,7 @@ def _ln_fwd_triton(x, weight, bias, eps):
             bias.contiguous() if bias is not None else x2, y, mean, rstd, n, h, eps,
             HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=nw)
-    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+    return _own(y, x.shape), _own(mean, x.shape[:-1]), _own(rstd, x.shape[:-1])
 
 
 def _ln_params(x, weight, bias):
@@ -263,7 +271,7 @@ def layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], e
     w, b = _ln_params(x, weight, bias)
     y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, eps)
     stat = _stat_dtype(x)
-    return y, mean.to(stat).view(x.shape[:-1]), rstd.to(stat).view(x.shape[:-1])
+    return y, _own(mean.to(stat), x.shape[:-1]), _own(rstd.to(stat), x.shape[:-1])
 
 
 @layer_norm_op.register_fake
@@ -296,7 +304,7 @@ def layer_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Optional[Tensor],
                 HAS_B=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
         dw = dw.sum(0).to(weight.dtype) if weight is not None else dw
         db = db.sum(0).to(bias.dtype) if bias is not None else db
-        return dx.view(x.shape), dw, db
+        return _own(dx, x.shape), dw, db
     w, b = _ln_params(x, weight, bias)
     stats = (*x.shape[:-1], 1)
     stat = _stat_dtype(x)
@@ -357,7 +365,7 @@ def _rms_fwd_torch(x, weight, eps, offset):
                 torch.mul(t, scale, out=y2[r0:r0 + m])
         elif not direct:
             y2[r0:r0 + m].copy_(t)
-    return y2.view(x.shape), rstd.view(x.shape[:-1])
+    return _own(y2, x.shape), _own(rstd, x.shape[:-1])
 
 
 def _rms_bwd_torch(grad_y, x, weight, rstd, offset):
@@ -397,7 +405,7 @@ def _rms_bwd_torch(grad_y, x, weight, rstd, offset):
         if t_buf is not None:
             dx2[r0:r0 + m].copy_(t)
     dw = dw.to(weight.dtype) if weight is not None else x.new_empty(0)
-    return dx2.view(x.shape), dw
+    return _own(dx2, x.shape), dw
 
 
 @torch.library.custom_op("fxmem::rms_norm", mutates_args=())
@@ -419,7 +427,7 @@ def rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6, offset: 
             x2, weight.contiguous() if weight is not None else x2, y, rstd, n, h, eps, offset,
             HAS_W=weight is not None, CAST=offset == 0.0 and weight is not None,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    return _own(y, x.shape), _own(rstd, x.shape[:-1])
 
 
 @rms_norm_op.register_fake
@@ -449,7 +457,7 @@ def rms_norm_backward_op(grad_y: Tensor, x: Tensor, weight: Optional[Tensor], rs
             rstd.contiguous(), dx, dw, n, h, rows_per_prog, offset, HAS_W=weight is not None,
             CAST=offset == 0.0 and weight is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=nw)
     dw = dw.sum(0).to(weight.dtype) if weight is not None else dw
-    return dx.view(x.shape), dw
+    return _own(dx, x.shape), dw
 
 
 @rms_norm_backward_op.register_fake

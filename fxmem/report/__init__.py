@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from ..compilation import compilations, last_step
+from ..compilation import compilations, last_step_runs
 from .deep import LayerScaledReport
 from .memory import MemoryReport
 from .model import ClusterRow, GraphReport, LoweringRow
@@ -29,16 +29,26 @@ def report(compiled: Any = None) -> MemoryReport:
 def _report(comps: list, compiled: Any) -> MemoryReport:
     from dataclasses import asdict
 
+    runs = last_step_runs(comps, others=True)
+    ran = [c for c, _ in runs]
+    known = {id(c) for c in comps}
+    comps = sorted(comps + [c for c in dict.fromkeys(ran) if id(c) not in known],  # the step's other graphs
+                   key=lambda c: c.created_ns)
     graphs = [g for c in comps for g in c.graphs if g.report is not None]
     index = {id(g): i for i, g in enumerate(graphs)}
     latest = {id(c): index[id(g)] for c in comps for g in c.graphs if id(g) in index}  # its last planned graph
-    step = [latest[id(c)] for c in last_step(comps) if id(c) in latest]
+    step = [latest[id(c)] for c in ran if id(c) in latest]
+    kept_runs = [o for c, o in runs if id(c) in latest]
+    position = {o.run: k for k, o in enumerate(kept_runs)}
+    lives = [[[*row[:-1], position.get(row[-1], -1)] for row in o.shares()] for o in kept_runs]
+    params = {k: v for o in kept_runs for k, v in o.params.items()}
+    resident = [sum(b for b, _ in params.values()), sum(b for b, t in params.values() if t)] if params else []
     names = _positional_names(compiled)
     return MemoryReport([g.report.with_names(names) for g in graphs], [g.plan for g in graphs],
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
-                        _dynamo_unsupported(bool(comps)), step)
+                        _dynamo_unsupported(bool(comps)), step, lives, resident)
 
 
 def _dynamo_unsupported(graphs: bool) -> list[str]:

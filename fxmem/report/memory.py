@@ -62,26 +62,74 @@ class Phases:
                    at["gradients"])
 
 
-def chained_peak(parts: list[Phases]) -> int:
+def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
+                 made: list[list[tuple[int, int, int]]] | None = None) -> int:
     """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
     their forwards in order, then their backwards in reverse. Each forward runs above the kept
-    values and outputs of the graphs before it (a graph's outputs are the next one's inputs and
-    are alive until that one's backward, which usually keeps them); each backward runs above
-    those too and above the parameter gradients the later graphs' backwards left (their
-    inputs' gradients are this backward's incoming gradients, counted in its peak). One graph:
-    its own forward and backward peaks. Work between the graphs (code Dynamo ran eagerly) is
-    not seen."""
-    best = held = 0
-    for p in parts:
-        best = max(best, held + p.forward)
-        held += p.kept + p.outputs
+    values of the graphs before it and above their outputs still alive; each backward runs above
+    those that stay alive until it and above the parameter gradients the later graphs' backwards
+    left (their inputs' gradients are this backward's incoming gradients, counted in its peak).
+    One graph: its own forward and backward peaks.
+
+    ``lives[k]``: how long run ``k``'s outputs stayed alive in the step that ran
+    (``(fraction of its outputs' bytes, later forward runs it outlived or -1: until the backward, ...)``
+    each, :class:`fxmem.compilation.Outputs`); a value the next graph consumed and dropped is then
+    held through that graph only, one that a later graph keeps (or the caller holds) until this
+    graph's backward. Without it every output is held until its graph's backward. ``made[k]``:
+    ``(bytes, later runs outlived or -1)`` of each value eager code made between the graphs that
+    run ``k`` took first (held from run ``k`` on, as long as it lived). Each entry of both ends
+    with the run in whose backward the value died (-1: not seen; then its own run's): a value
+    alive at the backward's start is held until that backward ends (an upper bound: a graph's
+    saved input may be freed at its last use there, before that backward's peak).
+
+    Other work between the graphs (code Dynamo ran eagerly: its temporaries, and what its
+    autograd nodes save of values no graph took) is not seen."""
+    def lived(later: int, k: int, at: int) -> bool:
+        return later < 0 or at - k <= later
+
+    def alive(k: int, at: int) -> int:
+        """Run ``k``'s outputs alive during forward run ``at`` (> k) and the values eager code made
+        that it took (``at`` >= k)."""
+        taken = sum(b for b, n, _ in made[k] if lived(n, k, at)) if made is not None and k < len(made) else 0
+        if at == k:
+            return taken
+        if lives is None or k >= len(lives) or not lives[k]:
+            return parts[k].outputs + taken
+        return round(parts[k].outputs * sum(f for f, n, _ in lives[k] if lived(n, k, at))) + taken
+
+    def until(k: int) -> list[tuple[int, int]]:
+        """What run ``k`` left alive at the backward's start: (bytes, the run in whose backward
+        it dies: where it was seen to die, else run ``k``'s own)."""
+        if lives is None or k >= len(lives) or not lives[k]:
+            out = [(parts[k].outputs, k)]
+        else:
+            out = [(round(parts[k].outputs * f), k if j < 0 else j) for f, n, j in lives[k] if n < 0]
+        if made is not None and k < len(made):
+            out += [(b, k if j < 0 else j) for b, n, j in made[k] if n < 0]
+        return out
+
+    best = kept = 0
+    for i, p in enumerate(parts):
+        best = max(best, kept + sum(alive(k, i) for k in range(i + 1)) + p.forward)
+        kept += p.kept
+    left = [e for k in range(len(parts)) for e in until(k)]
     grads = 0
     for j in reversed(range(len(parts))):
         p = parts[j]
-        held -= p.kept + p.outputs
+        kept -= p.kept  # its own kept values are in its backward's peak
+        held = kept + sum(b for b, r in left if r <= j)  # those dying in this backward: held through it
         best = max(best, held + grads + p.backward)
         grads += p.gradients - (parts[j - 1].tangents if j else 0)
     return best
+
+
+def _at_shape(g: GraphReport, position: int, nbytes: int, values: Mapping[str, int]) -> int:
+    """``nbytes`` measured for ``g``'s input ``position`` at the compiled shape, at ``values``."""
+    if position >= len(g.input_bytes):
+        return nbytes
+    formula = sympy.sympify(g.input_bytes[position])
+    compiled = evaluate(formula, g.values)
+    return nbytes if not compiled else round(nbytes * evaluate(formula, values) / compiled)
 
 
 @dataclass
@@ -100,6 +148,11 @@ class MemoryReport:
     # The latest step's graphs (indices into ``graphs``) in the order their forwards ran, a graph
     # once per call: several where graph breaks split the step. Empty: the latest graph alone.
     step: list[int] = field(default_factory=list)
+    # Per entry of ``step``: how long that run's outputs stayed alive (see :func:`chained_peak`).
+    step_outputs: list[list[list]] = field(default_factory=list)
+    # [parameter bytes, trainable parameter bytes] every graph of the latest step took (several
+    # graphs: each takes its own layers' parameters); empty: the latest graph's
+    step_params: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
@@ -138,7 +191,13 @@ class MemoryReport:
     def _chained(self, values_of: Callable[[GraphReport], dict[str, int]]) -> int:
         order = self.step or [len(self.graphs) - 1]
         parts = {i: Phases.of(self.graphs[i], values_of(self.graphs[i])) for i in set(order)}
-        return chained_peak([parts[i] for i in order])
+        lives = self.step_outputs if self.step and len(self.step_outputs) == len(order) else None
+        made = None
+        if lives is not None:
+            made = [[(_at_shape(self.graphs[i], -2 - e[0], e[1], values_of(self.graphs[i])), e[2], e[3])
+                     for e in lives[k] if len(e) == 4] for k, i in enumerate(order)]
+            lives = [[tuple(e) for e in entry if len(e) == 3] for entry in lives]
+        return chained_peak([parts[i] for i in order], lives, made)
 
     def host_bytes(self, **shapes: Any) -> int:
         """Host bytes a step holds at the given input shapes: the saved values its graphs hand to
@@ -177,15 +236,22 @@ class MemoryReport:
         return largest_batch(lambda b: state + peak_of(b) <= cap_bytes, limit)
 
     def resident_bytes(self, optimizer: str | float | None = None) -> int:
-        """Bytes alive across steps (latest graph): parameters, buffers and the optimizer's state
-        (see ``max_batch``)."""
+        """Bytes alive across steps: parameters, buffers and the optimizer's state (see
+        ``max_batch``). Where graph breaks split the step: the parameters every graph of the
+        latest step took (at least the latest graph's parameters and buffers); else the latest
+        graph's."""
         g = self._graph()
-        return g.model_bytes + int(optimizer_state_per_byte(optimizer) * g.trainable_bytes)
+        if len(self.step_params) == 2 and len(self.step_graphs()) > 1:
+            model, trainable = max(self.step_params[0], g.model_bytes), self.step_params[1]
+        else:
+            model, trainable = g.model_bytes, g.trainable_bytes
+        return model + int(optimizer_state_per_byte(optimizer) * trainable)
 
     def to_dict(self) -> dict:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
                 "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
-                "dynamo_unsupported": self.dynamo_unsupported, "step": self.step}
+                "dynamo_unsupported": self.dynamo_unsupported, "step": self.step,
+                "step_outputs": self.step_outputs, "step_params": self.step_params}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -210,7 +276,8 @@ class MemoryReport:
             graphs.append(GraphReport(**g))
         return cls(graphs, per_example=data.get("per_example", []),
                    unplanned_lowerings=data.get("unplanned_lowerings", []),
-                   dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []))
+                   dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []),
+                   step_outputs=data.get("step_outputs", []), step_params=data.get("step_params", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""

@@ -135,6 +135,9 @@ class GraphReport:
     # [value name, module, bytes at the compiled shape, bytes formula (raw symbols), the backward
     # op before which it is copied back]. Their bytes are in ``saved_bytes``, not in the schedules.
     offloaded: list[list] = field(default_factory=list)
+    # Bytes of each forward input (formulas, raw symbols), in the order the compiled graph takes
+    # them: the values eager code made between graph breaks are priced at any shape from these.
+    input_bytes: list[str] = field(default_factory=list)
 
     def dims(self, sym: str) -> list[str]:
         """Every input dimension the raw symbol ``sym`` stands for, its readable name first."""
@@ -286,8 +289,15 @@ def build(index: int, options_key: str, plan, split, sizes, primal_names: set[st
         static_dims=dict(static_dims or {}), model_bytes=model_bytes[0], trainable_bytes=model_bytes[1],
         modules=by_module(owner, kept, recomputed), owners={k: v for k, v in owner.items() if k in scheduled},
         forward_cost=float(sum(cost.values())), crossing=crossing, in_backward=list(in_backward),
-        offloaded=_offloaded(split, sizes, owner),
+        offloaded=_offloaded(split, sizes, owner), input_bytes=_input_bytes(split, sizes),
     )
+
+
+def _input_bytes(split, sizes) -> list[str]:
+    try:
+        return [str(sizes.nbytes(p)) for p in split.fw.graph.find_nodes(op="placeholder")]
+    except Exception:  # noqa: BLE001 - informative: without them eager-made inputs keep their measured bytes
+        return []
 
 
 def _offloaded(split, sizes, owner: dict[str, str]) -> list[list]:
@@ -303,11 +313,18 @@ def _offloaded(split, sizes, owner: dict[str, str]) -> list[list]:
 
 def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, sympy.Expr]:
     """``GraphReport.crossing``: the backward's counted placeholders (kept values and tangents, as
-    its schedule allocates them), the forward's outputs it does not keep, the backward's outputs."""
+    its schedule allocates them), the forward's outputs it does not keep, the backward's outputs.
+    An output that is a view holds its whole storage (the value of a fused projection returned
+    as a slice keeps the projection), counted once however many outputs share it, and not where
+    a kept value holds it already."""
     placeholders = {n.name for n in split.bw.graph.find_nodes(op="placeholder")}
-    fw_out = {n for n in split.fw.graph.output_node().all_input_nodes if n.name not in placeholders}
+    root = storage_roots(split.fw)
+    outs = split.fw.graph.output_node().all_input_nodes
+    kept = {root[n] for n in outs if n.name in placeholders}
+    held = dict.fromkeys(root[n] for n in outs if n.name not in placeholders)
     bw_out = set(split.bw.graph.output_node().all_input_nodes)
-    return {**taken(split, bw), "outputs": _sum(nbytes(n) for n in fw_out if n.op != "placeholder"),
+    return {**taken(split, bw),
+            "outputs": _sum(nbytes(r) for r in held if r.op != "placeholder" and r not in kept),
             "gradients": _sum(sizes.nbytes(n) for n in bw_out)}
 
 
