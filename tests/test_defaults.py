@@ -188,7 +188,10 @@ def test_a_lowering_that_would_raise_the_peak_is_not_applied_and_the_report_says
     notes = [n for n in report.lowering_notes if "not applied: the plan with it peaks at" in n]
     assert sorted(n.split(" at ")[0] for n in notes) == [
         "left alone: fused_linear_cross_entropy", "left alone: swiglu", "left alone: swiglu"], report.lowering_notes
-    assert declined == off
+    # the graph with the matches spliced back simulates within bytes of the one traced without them
+    # (789,249 against 789,248 since the CPU attention and embedding scratch are counted), and level
+    # 1 takes the least simulated peak among near ties: another plan of that peak may be taken
+    assert abs(declined - off) <= 1e-3 * off, (declined, off)
 
 
 def test_proven_matches_alone_are_applied_without_comparing_plans(monkeypatch):
