@@ -81,7 +81,7 @@ class Compiled:
 
     def __call__(self, *args: Any) -> Any:
         self.compilation.called_ns = time.monotonic_ns()
-        if _OPEN:
+        if _WATCHED.open:
             _watch(_RUNS[0])  # outputs that died before this run outlived the runs up to the last one
         out = self.fn(*args)
         _log_step(self.compilation, out, args)
@@ -129,23 +129,29 @@ class Outputs:
                       for b, n, k, f in zip(self.nbytes, self.later, kinds, freed) if k is not None]
 
 
-# The forward runs whose outputs are still being watched (those since the latest backward began).
-_OPEN: list[Outputs] = []
+@dataclass(eq=False)
+class _Watched:
+    """The step watcher's state, one per process: ``open``, the forward runs whose outputs are
+    still watched (those since the latest backward began; at most ``_CALLS.maxlen``); ``dying``,
+    the step's values alive when its backward began, watched until they die (cleared when the
+    next step begins)."""
+    open: list[Outputs] = field(default_factory=list)
+    dying: list[Outputs] = field(default_factory=list)
+
+
+_WATCHED = _Watched()
 _RUNS = [0]  # forward runs so far
-# The step's values alive when its backward began, watched until they die, and the forward run
-# whose backward ran last.
-_DYING: list[Outputs] = []
-_LAST_BACKWARD: list[int | None] = [None]
+_LAST_BACKWARD: list[int | None] = [None]  # the forward run whose backward ran last
 
 
 def _outputs(outs: tuple, args: tuple) -> Outputs:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    if _DYING:  # a new step: the last step's backward is over
+    if _WATCHED.dying:  # a new step: the last step's backward is over
         _died_in_backward()
-        for o in _DYING:
+        for o in _WATCHED.dying:
             o.refs = [None] * len(o.refs)
-        _DYING.clear()
+        _WATCHED.dying.clear()
 
     def key(t: torch.Tensor):
         try:
@@ -157,7 +163,7 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
     for t in outs:
         if isinstance(t, torch.Tensor) and (r := key(t)) is not None:
             refs.setdefault(r.cdata, (t.untyped_storage().nbytes(), r, None))
-    watched = {r.cdata for o in _OPEN for r in o.refs if r is not None and not r.expired()}
+    watched = {r.cdata for o in _WATCHED.open for r in o.refs if r is not None and not r.expired()}
     params: dict[int, tuple[int, bool]] = {}
     for i, a in enumerate(args):
         if isinstance(a, torch.nn.Parameter):
@@ -175,12 +181,12 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
 
 def _watch(run: int) -> None:
     """The watched outputs that died by now outlived the forward runs up to number ``run``."""
-    for o in list(_OPEN):
+    for o in list(_WATCHED.open):
         for i, r in enumerate(o.refs):
             if r is not None and r.expired():
                 o.later[i], o.refs[i] = run - o.run, None
         if not any(o.refs):
-            _OPEN.remove(o)
+            _WATCHED.open.remove(o)
 
 
 def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
@@ -194,9 +200,9 @@ def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
     watched = _outputs(tuple(outs), args)
     _watch(watched.run)  # those this run consumed and freed outlived it
     if any(watched.refs):
-        _OPEN.append(watched)
-        if len(_OPEN) > _CALLS.maxlen:  # forwards without a backward, their outputs kept: stop watching
-            _OPEN.pop(0).refs = []
+        _WATCHED.open.append(watched)
+        if len(_WATCHED.open) > _CALLS.maxlen:  # forwards without a backward, their outputs kept: stop watching
+            _WATCHED.open.pop(0).refs = []
     _CALLS.append((ref, _FORWARD, watched))
     fn.register_prehook(lambda grads: _backward(ref, watched.run))
 
@@ -204,12 +210,12 @@ def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
 def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:
     """A logged run's backward is about to run: what died since the previous one died in that
     one's backward (or in eager backward code after it)."""
-    if _OPEN:  # the step's backward begins: what is alive now stays until it dies in a backward
+    if _WATCHED.open:  # the step's backward begins: what is alive now stays until it dies in a backward
         _watch(_RUNS[0])
-        for o in _OPEN:
+        for o in _WATCHED.open:
             o.freed = [None] * len(o.refs)
-        _DYING[:] = [o for o in _OPEN if any(o.refs)]
-        _OPEN.clear()
+        _WATCHED.dying[:] = [o for o in _WATCHED.open if any(o.refs)]
+        _WATCHED.open.clear()
         _LAST_BACKWARD[0] = None
     _died_in_backward()
     _LAST_BACKWARD[0] = run
@@ -218,13 +224,13 @@ def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:
 
 def _died_in_backward() -> None:
     last = _LAST_BACKWARD[0]
-    for o in list(_DYING):
+    for o in list(_WATCHED.dying):
         for i, r in enumerate(o.refs):
             if r is not None and r.expired():
                 o.refs[i] = None
                 o.freed[i] = last
         if not any(o.refs):
-            _DYING.remove(o)
+            _WATCHED.dying.remove(o)
 
 
 def last_step(comps: list[Compilation], others: bool = False) -> list[Compilation]:
@@ -242,7 +248,7 @@ def last_step(comps: list[Compilation], others: bool = False) -> list[Compilatio
 
 def last_step_runs(comps: list[Compilation], others: bool = False) -> list[tuple[Compilation, Outputs]]:
     """:func:`last_step` with each forward run's :class:`Outputs`."""
-    if _DYING and all(o.refs is not None for o in _DYING):
+    if _WATCHED.dying and all(o.refs is not None for o in _WATCHED.dying):
         _died_in_backward()  # what died since the last graph's backward began died in it
     mine = {id(c) for c in comps}
     runs = [(c, kind, o) for c, kind, o in ((r(), kind, o) for r, kind, o in _CALLS) if c is not None]

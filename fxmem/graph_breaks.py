@@ -31,14 +31,13 @@ import functools
 import importlib.abc
 import importlib.util
 import logging
-import re
 import sys
 from collections import Counter
 from typing import Mapping
 
 import torch
 
-from .options import ENV_SCAN_LOOP_MAX, OptionError, env_value
+from .options import ENV_SCAN_LOOP_MAX, SCAN_LOOP_MAX, env_value, parse_scan_loop_max  # noqa: F401 (SCAN_LOOP_MAX)
 
 
 def ignore_once_warnings(*_: object) -> None:
@@ -129,22 +128,13 @@ def _loop_up_to_the_limit(original):
     return mamba_selective_scan
 
 
-SCAN_LOOP_MAX = 256  # the longest sequence whose selective scan Dynamo traces as eager's loop
-
-
 @torch._dynamo.assume_constant_result  # read when Dynamo traces a scan (not guarded on)
 def scan_loop_max(env: Mapping[str, str] | None = None) -> int:
     """The longest sequence whose selective scan fxmem has Dynamo trace as eager's loop:
     ``FXMEM_SCAN_LOOP_MAX`` (a whole number >= 0; 0: the associative scan wherever it is asked
     for), else :data:`SCAN_LOOP_MAX`. A bad value is a ``ValueError`` naming the variable, raised
     as it is through Dynamo (:class:`fxmem.OptionError`), and checked too when options resolve."""
-    value = env_value(ENV_SCAN_LOOP_MAX, env)
-    if value is None:
-        return SCAN_LOOP_MAX
-    if not re.fullmatch(r"[0-9]+", value):  # no sign, no fraction, no exponent
-        raise OptionError(f"environment variable {ENV_SCAN_LOOP_MAX}: got {value!r}; allowed: a whole number >= 0, "
-                          f"the longest sequence whose selective scan is traced as a loop (unset: {SCAN_LOOP_MAX})")
-    return int(value)
+    return parse_scan_loop_max(env_value(ENV_SCAN_LOOP_MAX, env))
 
 
 _STAND_INS = {_CAPTURING: _output_hooks, **{name: _eager_scan for name in _SCANS}}

@@ -31,6 +31,7 @@ ENV_REPORT = "FXMEM_REPORT"
 ENV_MEASURE = "FXMEM_MEASURE_SCRATCH"  # measure CPU convolutions' temporaries (fxmem.measurements)
 ENV_CACHE = "FXMEM_CACHE"  # the folder of the measurements' cache (fxmem.measurements)
 ENV_SCAN_LOOP_MAX = "FXMEM_SCAN_LOOP_MAX"  # the longest selective scan traced as a loop (fxmem.graph_breaks)
+SCAN_LOOP_MAX = 256  # its default: the longest sequence whose selective scan Dynamo traces as eager's loop
 
 INNER_COMPILERS = ("inductor", "eager")
 LOWERING_PATTERNS = (
@@ -379,6 +380,16 @@ def env_value(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+def parse_scan_loop_max(value: str | None) -> int:
+    """``FXMEM_SCAN_LOOP_MAX``'s value (None: unset, :data:`SCAN_LOOP_MAX`): a whole number >= 0."""
+    if value is None:
+        return SCAN_LOOP_MAX
+    if not re.fullmatch(r"[0-9]+", value):  # no sign, no fraction, no exponent
+        raise OptionError(f"environment variable {ENV_SCAN_LOOP_MAX}: got {value!r}; allowed: a whole number >= 0, "
+                          f"the longest sequence whose selective scan is traced as a loop (unset: {SCAN_LOOP_MAX})")
+    return int(value)
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """The options the environment sets; the other variables fxmem reads are checked, not kept."""
     out: dict[str, Any] = {}
@@ -390,9 +401,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out["report"] = env_flag(ENV_REPORT, report)
     env_flag(ENV_MEASURE, env.get(ENV_MEASURE), default=True)
     env_flag(ENV_TRITON, env.get(ENV_TRITON))
-    from .graph_breaks import scan_loop_max  # it imports this module
-
-    scan_loop_max(env)
+    parse_scan_loop_max(env_value(ENV_SCAN_LOOP_MAX, env))
     return out
 
 
