@@ -192,6 +192,29 @@ def test_returned_logits_leave_no_zero_gradient_in_the_backward():
     assert peak - _grad_bytes(model) <= logits / 4, f"{(peak - _grad_bytes(model)) / MiB:.2f} MiB above G"
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("use_logits", [False, True], ids=["loss", "loss+logits"])
+def test_returned_logits_beside_an_unfused_loss_leave_no_zero_gradient(use_logits, autocast):
+    """At the default options a loss whose fused form is futile (32 tokens x vocab 512, 256-wide:
+    ratio 0.12) stays unfused, and the logits returned beside it still leave the compiled graph
+    without a gradient: no [tokens, vocab] zero tangent in the backward (eager holds none, and
+    before this the compiled backward peaked that much above eager's), eager's gradients."""
+    vocab, d = 512, 256
+    model = TiedLM(vocab, d)
+    ids, labels = _batch(vocab, 2, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend="fxmem", options={"inner": "eager"})
+    _close_to_eager(model, compiled, ids, labels, use_logits, autocast=autocast,
+                    **({} if autocast is None else dict(rtol=2e-2, atol=2e-2)))
+    assert "fused_linear_cross_entropy" not in _patterns(compiled)
+    notes = [n for g in fxmem.report(compiled).graphs for n in g.lowering_notes]
+    assert any("fused_linear_cross_entropy" in n and "ratio 0.12" in n for n in notes), notes
+    assert not _logit_tangents(_bw(compiled), vocab)
+    if not use_logits and autocast is None:  # the backward's peak: at most eager's
+        eager = _backward_peak(model, model, ids, labels)
+        assert _backward_peak(compiled, compiled, ids, labels) <= eager
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "label_smoothing"])
 @pytest.mark.parametrize("use_logits", [False, True], ids=["loss", "loss+logits"])
 def test_tied_lm_with_returned_logits_equals_eager(smoothing, use_logits):

@@ -53,8 +53,10 @@ the logits stay computed (by ``functions.returned_logits``: ``F.linear``) for th
 loss reads them. In a graph the backend compiles whole (``lower(..., reattach=True)``) they are
 returned without a gradient and get it outside the compiled graph, only when the caller
 differentiates them (:mod:`.returned`): AOTAutograd would otherwise hand the backward a
-[tokens, vocab] zero gradient for them. Compile a module that returns only the loss to not have
-the logits at all (bench/results/lowering.md).
+[tokens, vocab] zero gradient for them. A loss whose fused form is declined as futile stays
+unfused, and its returned logits still leave the graph without a gradient
+(``functions.returned_alias``: the unfused linear's output, reattached the same way). Compile a
+module that returns only the loss to not have the logits at all (bench/results/lowering.md).
 
 Bytes saved per lowering are what autograd keeps for backward from the matched subgraph minus
 what the fused call keeps, on meta tensors at the compiled shape (:mod:`.savings`).
@@ -71,7 +73,7 @@ import torch.fx as fx
 from ..graph.module import graph_module
 from . import amp, splice
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
-from .returned import Spec, detach, reattached
+from .returned import Spec, alias, detach, reattached
 from .savings import bytes_saved
 
 __all__ = ["PATTERNS", "Pattern", "Lowered", "Lowering", "lower", "enabled", "reattached"]
@@ -153,6 +155,7 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
     original, gm = gm, _copy(gm)
     graph = gm.graph
     erased: set[fx.Node] = set()
+    aliased = False
     order = {n: i for i, n in enumerate(graph.nodes)} if compare else {}
     for pattern in patterns:
         ctx = Context.of(graph)
@@ -165,6 +168,8 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
                 log.debug("fxmem lowering: %s finder failed at %s", pattern.name, node.name, exc_info=True)
                 found = Skip(pattern.name, node, f"matcher error ({type(e).__name__}: {e})")
             if isinstance(found, Match) and decline_futile and found.futile and not _named(lowering, found.pattern):
+                if reattach:  # the logits it would have returned without a gradient: still so
+                    aliased |= any(alias(graph, n, args, kwargs) for n, _, args, kwargs in found.kept)
                 found = Skip(found.pattern, found.output, found.futile)
             if isinstance(found, Skip):
                 result.skipped.append((found.pattern, found.node.name, found.reason))
@@ -178,7 +183,7 @@ def lower(gm: fx.GraphModule, example_inputs: Any, lowering: bool | Mapping[str,
                     marked = False  # proven: applied as it is
                 result.lowered.append(_apply(graph, found, ctx, erased, result.regions if marked else None))
     splice.locate(result.regions, graph, order)
-    if not result.lowered:
+    if not result.lowered and not aliased:
         gm = original
     else:
         if reattach:

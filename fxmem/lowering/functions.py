@@ -194,6 +194,23 @@ def detached_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         return returned_logits(h, weight, bias, logit_bias, dtype=dtype)
 
 
+def returned_alias(logits: Tensor, h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                   logit_bias: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``logits`` (the output of ``F.linear(h, weight, bias)`` plus the logit bias), where a graph
+    returns them beside a loss that reads them unfused (the fused loss declined as futile): the
+    graph's output use only; the loss reads ``logits`` themselves. A graph compiled whole returns
+    :func:`detached_alias` instead (:mod:`.returned`), as it does :func:`detached_logits` beside a
+    fused loss: the operands tell :class:`.returned.Reattached` how to give them their gradient."""
+    return logits
+
+
+def detached_alias(logits: Tensor, h: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                   logit_bias: Optional[Tensor] = None, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """:func:`returned_alias` without a gradient: the same storage, an output AOTAutograd gives no
+    tangent (else a [tokens, vocab] zero gradient would be held through the loss's backward)."""
+    return logits.detach()
+
+
 def linear_backward(grad: Tensor, h: Tensor, weight: Tensor, bias: Optional[Tensor],
                     logit_bias: Optional[Tensor], dtype: Optional[torch.dtype], need: tuple) -> tuple:
     """The gradients of :func:`returned_logits` for the logits' gradient ``grad`` (None where

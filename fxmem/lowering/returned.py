@@ -43,9 +43,30 @@ class Spec:
     outputs: int  # the graph's original output count
 
 
+# what a graph compiled whole returns instead: the logits without a gradient
+_DETACHED = {fn.returned_logits: fn.detached_logits, fn.returned_alias: fn.detached_alias}
+
+
+def alias(graph: fx.Graph, logits: fx.Node, operands: tuple, kwargs: dict) -> bool:
+    """Route the graph's output use of ``logits`` (an unfused loss reads them too) through
+    :func:`.functions.returned_alias` of the linear's ``operands``, for :func:`detach`; whether
+    the graph returns them."""
+    outputs = [u for u in logits.users if u.op == "output"]
+    if not outputs:
+        return False
+    with graph.inserting_after(logits):
+        node = graph.call_function(fn.returned_alias, (logits, *operands), kwargs)
+    node.meta.update({k: logits.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack")
+                      if k in logits.meta})
+    for out in outputs:
+        out.replace_input_with(logits, node)
+    return True
+
+
 def detach(graph: fx.Graph) -> list[Spec]:
-    """Rewrite each :func:`.functions.returned_logits` call that the graph returns (directly or
-    through a compared region's mark) into :func:`.functions.detached_logits`, and append the
+    """Rewrite each :func:`.functions.returned_logits` (:func:`.functions.returned_alias`) call
+    that the graph returns (directly or through a compared region's mark) into
+    :func:`.functions.detached_logits` (:func:`.functions.detached_alias`), and append the
     operands that are not graph inputs to the graph's outputs. A graph whose output is not a
     flat tuple is left as it is (its logits stay differentiable)."""
     out = next(iter(graph.find_nodes(op="output")))
@@ -56,10 +77,11 @@ def detach(graph: fx.Graph) -> list[Spec]:
     outputs, extra, specs = list(values), [], []
     for i, v in enumerate(values):
         call = v.args[0] if isinstance(v, fx.Node) and is_mark(v) else v
-        if not (isinstance(call, fx.Node) and call.op == "call_function" and call.target is fn.returned_logits):
+        if not (isinstance(call, fx.Node) and call.op == "call_function" and call.target in _DETACHED):
             continue
+        args = call.args[1:] if call.target is fn.returned_alias else call.args  # (logits, *operands)
         operands = []
-        for a in (*call.args, *[None] * (4 - len(call.args)))[:4]:
+        for a in (*args, *[None] * (4 - len(args)))[:4]:
             a = a.args[0] if isinstance(a, fx.Node) and is_mark(a) else a  # a compared region's input: the value
             if a is None:
                 operands.append(None)
@@ -68,7 +90,7 @@ def detach(graph: fx.Graph) -> list[Spec]:
             else:
                 operands.append((OUT, len(extra)))
                 extra.append(a)
-        call.target = fn.detached_logits
+        call.target = _DETACHED[call.target]
         specs.append(Spec(i, tuple(operands), call.kwargs.get("dtype"), len(values)))
     if specs:
         out.args = (type(values)(outputs + extra),)
