@@ -73,6 +73,20 @@ def test_conv_bn_segmentation_step_is_bitwise_eager(level):
     _assert_bitwise(*_step(level, dynamic=False))
 
 
+def test_the_unoptimized_reference_traces_the_same_kernels():
+    """``fxmem.testing``'s reference (fxmem without its planner) traces as fxmem does: its step is
+    eager's bits too, so bit-identity checks against it hold on interpolating models."""
+    from fxmem.testing.checks import _unoptimized
+
+    ref, model, ref_loss, _ = _step(0, dynamic=False)
+    torch.manual_seed(0)
+    unoptimized = ConvSegmenter()
+    torch._dynamo.reset()
+    loss = torch.compile(unoptimized, backend=_unoptimized({"level": 0, "lowering": False}))(*_inputs())
+    loss.backward()
+    _assert_bitwise(ref, unoptimized, ref_loss, loss.detach())
+
+
 def test_symbolic_sizes_keep_torchs_decomposition():
     """Under ``dynamic=True`` the interpolation's sizes are symbolic, and its kernel's backward has
     no symbolic meta function: torch's decomposition stays, the step compiles (strict: no
