@@ -15,8 +15,10 @@ def _arg(spec):
         dtype = getattr(torch, spec["dtype"])
         make = torch.randn if dtype.is_floating_point else torch.zeros
         value = make(spec["shape"], dtype=dtype)
-        if "stride" in spec:  # a non-contiguous layout (channels-last)
-            return torch.empty_strided(spec["shape"], spec["stride"], dtype=dtype).copy_(value)
+        if "stride" in spec:  # a non-contiguous layout (channels-last; stride 0: an expanded, vmapped weight)
+            shape, stride = spec["shape"], spec["stride"]
+            storage = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+            return make(storage, dtype=dtype).as_strided(shape, stride)  # copy_ refuses overlapping elements
         return value
     if isinstance(spec, list):
         return [_arg(s) for s in spec]

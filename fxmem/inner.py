@@ -3,7 +3,8 @@
 ``eager`` runs the graph modules as they are, with two memory habits of a real compiler: the
 boxed calling convention (inputs are freed at their last use) and in-place reuse of dead
 intermediates by elementwise ops (``add(a, b)`` writes into ``a`` when nothing reads ``a`` later).
-Inductor does both on its own.
+Inductor does both on its own. Its graphs are traced with eager's own kernels where torch's
+tracing would swap one for a Python decomposition that rounds differently (:func:`eager_kernels`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import logging
 import warnings
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -43,6 +44,71 @@ def tolerant_views(gm: fx.GraphModule) -> int:
     return count  # (the caller recompiles ``gm``)
 
 
+# Ops whose Python decomposition torch runs in place of the kernel while AOTAutograd traces (registered
+# with ``py_impl`` on the Autograd and CompositeImplicitAutograd keys, which only the Python
+# dispatcher reads), and whose decomposition gives other numbers than eager's kernel: the linear
+# and cubic interpolations gather the four (eight, sixteen) neighbours with ``_unsafe_index`` and
+# blend them in another order, and their backward scatters with ``_unsafe_index_put(accumulate)``
+# instead of ``upsample_*_backward``: forward and gradients differ in the last bits (MobileViT's
+# segmentation loss, issue #56). The nearest modes' decompositions give eager's bits (checked in
+# tests/test_bitwise_conv.py), so they stay.
+EAGER_KERNELS = ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d")
+
+
+@contextlib.contextmanager
+def eager_kernels() -> Iterator[None]:
+    """While a graph for the eager inner compiler is traced: the ops of ``EAGER_KERNELS`` stay in
+    the graph as the one kernel eager runs (``aten.upsample_bilinear2d.default``...), with the
+    backward eager runs (``upsample_bilinear2d_backward``), so that the step gives eager's bits.
+    This costs no memory: the kernels' backward saves nothing but sizes, where the decomposition
+    saves index and weight vectors and makes output-sized temporaries.
+
+    The ``.default`` overloads lose their Python decomposition; the ``.vec`` ones (what
+    ``F.interpolate`` calls) get what their C++ composite does (the output size from the scale
+    factors, then ``.default``), except where a size is symbolic: the kernels' backward has no
+    symbolic meta function (its sizes are ``int[]``), so there torch's decomposition stays (and
+    its last bits differ from eager's). Torch's kernels are restored on exit (they are
+    process-wide, for every other trace)."""
+    from torch._C import DispatchKey
+
+    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
+    ops = [getattr(getattr(aten, name), overload) for name in EAGER_KERNELS for overload in ("vec", "default")]
+    saved = [(op, dict(op.py_kernels)) for op in ops]
+    try:
+        for name in EAGER_KERNELS:
+            packet = getattr(aten, name)
+            decomposed = packet.vec.py_kernels.get(DispatchKey.CompositeImplicitAutograd)
+            if decomposed is None:  # a torch that traces the kernel as it is
+                continue
+            vec = _vec_to_default(packet.default, decomposed)
+            for k in keys:
+                packet.default.py_kernels.pop(k, None)
+                packet.vec.py_kernels[k] = vec
+            for op in (packet.vec, packet.default):
+                op._dispatch_cache.clear()  # the Python dispatcher's resolved kernels per key
+        yield
+    finally:
+        for op, kernels in saved:
+            op.py_kernels.clear()
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
+
+
+def _vec_to_default(default: Any, decomposed: Callable) -> Callable:
+    """An interpolation's ``.vec`` overload as ATen's composite runs it: ``default(input,
+    output_size, align_corners, *scales)``, the size computed from the scale factors if not given;
+    ``decomposed`` (torch's Python decomposition) where a size is symbolic."""
+    from torch._decomp.decompositions import upsample_compute_output_size
+
+    def vec(input: torch.Tensor, output_size: Any, align_corners: bool, scale_factors: Any) -> torch.Tensor:
+        size = upsample_compute_output_size(input.size(), output_size, scale_factors)
+        if not all(isinstance(d, int) for d in (*input.shape, *size)):
+            return decomposed(input, output_size, align_corners, scale_factors)
+        scales = list(scale_factors) if scale_factors else [None] * len(size)
+        return default(input, size, align_corners, *scales)
+    return vec
+
+
 def eager(gm: fx.GraphModule, example_inputs: Any):
     """Run the graph as it is, boxed: the graph clears its argument list after unpacking it, so
     each saved tensor is freed at its last use in the backward, not when the backward returns."""
@@ -70,7 +136,8 @@ def compile_joint(gm: fx.GraphModule, example_inputs: list, inner: str, partitio
     from torch._dynamo.backends.common import aot_autograd
 
     if inner == "eager":
-        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition_fn)(gm, example_inputs)
+        with eager_kernels():
+            return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=partition_fn)(gm, example_inputs)
     import torch._inductor.config as inductor_config
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
@@ -126,7 +193,8 @@ def compile_safe(gm: fx.GraphModule, example_inputs: list):
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition
 
-    return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=default_partition)(gm, example_inputs)
+    with eager_kernels():
+        return aot_autograd(fw_compiler=eager, bw_compiler=eager, partition_fn=default_partition)(gm, example_inputs)
 
 
 def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | None:
@@ -175,7 +243,7 @@ def trace_flat(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule | Non
         # lazy GraphModules: the traced graph's Python is generated only if it is ever run as is
         # (fxmem's passes rewrite it first)
         with dynamo_timed(TRACE_TIMER), _use_lazy_graph_module(True), fork_rng(devices=[]), fake, \
-                enable_python_dispatcher(), \
+                enable_python_dispatcher(), eager_kernels(), \
                 FunctionalTensorMode(pre_dispatch=False, export=False, _allow_token_discovery=True), \
                 torch.autograd.set_multithreading_enabled(False):
             traced = make_fx(run, record_module_stack=True)(*args)
@@ -224,7 +292,8 @@ def compile_flat(gm: fx.GraphModule, example_inputs: list, inner: str, plan: Any
         flat = trace_flat(gm, example_inputs)
         if flat is not None:
             return _as_inference(fw(flat, example_inputs))
-        return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)
+        with eager_kernels():
+            return aot_autograd(fw_compiler=fw, bw_compiler=eager)(gm, example_inputs)
     from functorch.compile import make_boxed_func
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 

@@ -81,6 +81,21 @@ def test_a_child_answering_garbage_counts_as_zero_and_is_not_cached(cache, tmp_p
     assert not cache.exists()
 
 
+def test_the_child_measures_an_expanded_argument(cache, caplog):
+    """A per-example chunk's convolution backward takes its weight expanded over the batch (all
+    strides 0): the child builds it over one element's storage (``copy_`` into overlapping
+    elements raised, and the whole batch of configurations counted as 0)."""
+    weight = {"shape": [16, 3, 3, 3], "dtype": "float32", "stride": [0, 0, 0, 0]}
+    channels_last = {"shape": [1, 12, 8, 8], "dtype": "float32", "stride": [768, 1, 96, 12]}
+    config = {"op": "convolution_backward", "overload": "default",
+              "args": [{"shape": [1, 16, 8, 8], "dtype": "float32"}, channels_last, weight, None, [1, 1], [1, 1],
+                       [1, 1], False, [0, 0], 4, [False, True, False]]}
+    with caplog.at_level(logging.WARNING, logger="fxmem"):
+        found = measurements.measure({"conv": config})
+    assert "could not measure" not in caplog.text
+    assert json.loads(cache.read_text()) == found
+
+
 @pytest.mark.parametrize("value, on", [("", True), ("1", True), ("on", True), ("0", False), ("off", False),
                                        ("False", False), ("no", False)])
 def test_measuring_is_an_on_off_variable(monkeypatch, value, on):

@@ -135,7 +135,7 @@ def _unoptimized(options: Mapping[str, Any]):
     from torch._dynamo.backends.common import aot_autograd
 
     from ..graph.joint import JointGraph
-    from ..inner import eager
+    from ..inner import eager, eager_kernels
     from ..lowering import reattached
     from ..lowering.decide import decide
     from ..options import resolve
@@ -157,8 +157,9 @@ def _unoptimized(options: Mapping[str, Any]):
             result = split(joint, joint.default_saved())
             return result.fw, result.bw
 
-        compiled = aot_autograd(fw_compiler=eager, bw_compiler=eager,
-                                partition_fn=partition)(decision.gm, example_inputs)
+        with eager_kernels():  # traced as fxmem's eager inner compiler traces
+            compiled = aot_autograd(fw_compiler=eager, bw_compiler=eager,
+                                    partition_fn=partition)(decision.gm, example_inputs)
         return reattached(compiled, decision.lowering.returned)  # the graph's own outputs (lowering.returned)
 
     return backend
