@@ -1,0 +1,119 @@
+"""Eager code between the graphs of a step (issue #56 [whole-step]): the time-series transformers'
+pattern, a layer loop with LayerDrop (``if torch.rand([]) < p: skip the layer``), which Dynamo
+cannot resume inside, so it runs the model's ``forward`` eagerly and compiles each layer on its
+own. What the eager code saves for its backward (a layer norm's input and statistics, a dropout
+mask) is alive from the forward to its backward, beside the graphs' saved values:
+``predict_peak`` counts it (found from the graphs' inputs, through eager autograd's nodes).
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxmem
+from fxmem.profiling import step_perf
+
+B, S, D = 8, 64, 32
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class LayerDropModel(nn.Module):
+    """HF's encoder shape: an embedding, a layer norm and dropout in the stack's ``forward`` (eager:
+    Dynamo skips the frame), LayerDrop in the layer loop, each layer a graph of its own."""
+
+    def __init__(self, d=D, layers=3, layerdrop=0.1):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        h = F.dropout(self.norm(x * 2.0), p=0.1, training=self.training)
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:  # LayerDrop: a graph break in the loop
+                continue
+            h = layer(h)
+        return self.head(h).square().mean()
+
+
+def _step(model: nn.Module, x: torch.Tensor, options: dict):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)  # the same layers dropped every step
+            with step_perf("cpu") as perf:
+                compiled(x).backward()
+    assert not [w for w in caught if "falling back" in str(w.message)]
+    return perf.result.peak_bytes, fxmem.report(compiled)
+
+
+def _eager_saved_bytes(rep) -> int:
+    """Bytes the report holds as made by eager code (taken by a graph run, or saved for eager's
+    backward on the way to it): the entries ``[-2 - input position, bytes, ...]`` of each run."""
+    return sum(e[1] for run in rep.step_outputs for e in run if len(e) == 4)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_layerdrop_loop_step_predicted_within_5_percent(level):
+    torch.manual_seed(0)
+    model = LayerDropModel()
+    x = torch.randn(B, S, D)
+    peak, rep = _step(model, x, {"level": level})
+    assert len(rep.step_graphs()) >= 2  # the loop ran eagerly, a graph a layer
+    predicted = rep.predict_peak()
+    assert abs(predicted / peak - 1) <= 0.05, (predicted, peak)
+
+
+def test_eager_saved_values_counted_once_with_their_sizes():
+    """What the eager prologue keeps for its backward, counted once (the first layer's run takes
+    its output; later runs walk no node twice): the dropout's output (the first graph's input),
+    the dropout mask (float, as CPU dropout saves it), the layer norm's input (``x * 2``), its
+    mean and reciprocal deviation (one float per row)."""
+    torch.manual_seed(0)
+    model = LayerDropModel(layerdrop=0.0)  # no layer dropped: still the loop's break
+    x = torch.randn(B, S, D)
+    _, rep = _step(model, x, {"level": 1})
+    act = B * S * D * 4
+    assert _eager_saved_bytes(rep) == 3 * act + 2 * B * S * 4
+
+
+def test_batch_tensor_saved_by_eager_code_is_not_counted():
+    """A tensor the caller holds (alive before the step) that eager code saves for its backward
+    (``norm(x) * mask``: the mask) is not the step's memory; the product is the layer's input."""
+
+    class Masked(LayerDropModel):
+        def forward(self, x, mask):
+            h = self.norm(x) * mask
+            for layer in self.layers:
+                if self.training and torch.rand([]) < self.layerdrop:
+                    continue
+                h = layer(h)
+            return self.head(h).square().mean()
+
+    torch.manual_seed(0)
+    model = Masked(layerdrop=0.0)
+    x, mask = torch.randn(B, S, D), torch.ones(B, S, D)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1})
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        compiled(x, mask).backward()
+    act = B * S * D * 4
+    # the product (the layer's input) and the norm's mean and reciprocal deviation; not the mask
+    # (the product saves it: the caller's), nor x (the norm's saved input: the caller's), nor the
+    # norm's output (the product does not save it: the mask needs no gradient)
+    assert _eager_saved_bytes(fxmem.report(compiled)) == act + 2 * B * S * 4
