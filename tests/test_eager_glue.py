@@ -13,6 +13,7 @@ import types
 import warnings
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,3 +172,47 @@ def test_shared_decorator_wrapper_does_not_reach_the_recompile_limit():
         compiled(x).backward()
     assert not [w for w in caught if issubclass(w.category, RecompileLimitWarning)]
     assert len(fxmem.report(compiled).step_graphs()) == n  # every block compiled, none left to eager
+
+
+class DelayAggregation(nn.Module):
+    """Autoformer's time-delay aggregation (training branch): the values rolled by each of the
+    top-k delays, weighted by the delays' softmax scores, summed. ``data_dependent``: the delays
+    are read from a tensor (``int(index[i])``: a graph break unless Dynamo captures scalars)."""
+
+    def __init__(self, d=D, k=4, data_dependent=False):
+        super().__init__()
+        self.value, self.score, self.k, self.data_dependent = nn.Linear(d, d), nn.Linear(d, 1), k, data_dependent
+
+    def forward(self, x):
+        v = self.value(x)
+        scores = torch.softmax(self.score(x).mean(1).squeeze(-1)[: self.k], 0)  # k weights
+        delays = torch.arange(1, self.k + 1) * 3
+        agg = torch.zeros_like(v)
+        for i in range(self.k):
+            shift = int(delays[i]) if self.data_dependent else 3 * (i + 1)
+            agg = agg + v.roll(shifts=-shift, dims=1) * scores[i]
+        return agg.square().mean()
+
+
+@pytest.mark.parametrize("data_dependent", [False, True])
+def test_rolled_values_are_recomputed_not_kept(data_dependent):
+    """``roll`` is a copy fxmem may recompute (as ``cat`` or ``gather``): the graph keeps the
+    values once, not each of the k rolled copies that the products save; the step equals eager's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = DelayAggregation(data_dependent=data_dependent)
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, S, D)
+    ref(x).backward()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 0})
+        compiled(x).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    rep = fxmem.report(compiled)
+    (graph,) = rep.step_graphs()
+    kept = int(sympy.sympify(graph.crossing["kept"]).subs(graph.values))
+    act = B * S * D * 4
+    assert kept < 2 * act, kept  # v (or x) once and the scores; the k rolled copies would be 4 * act
