@@ -216,3 +216,46 @@ def test_rolled_values_are_recomputed_not_kept(data_dependent):
     kept = int(sympy.sympify(graph.crossing["kept"]).subs(graph.values))
     act = B * S * D * 4
     assert kept < 2 * act, kept  # v (or x) once and the scores; the k rolled copies would be 4 * act
+
+
+def test_recompile_limit_on_a_shared_wrapper_names_the_wrapper():
+    """A decorator of fxmem's user (not transformers') wraps more functions than the recompile
+    limit: the warning names the wrapper's code and the limit to raise, not ``dynamic=True``."""
+    import functools
+
+    from fxmem.recompiles import RecompileLimitWarning
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    blocks = []
+    for k in range(4):
+        def forward(self, x):
+            return self.lin(x).relu() + x
+        forward.__code__ = forward.__code__.replace(co_name=f"forward_{k}")
+        cls = types.new_class(f"Logged{k}", (nn.Module,))
+        cls.forward = logged(forward)
+        block = cls()
+        nn.Module.__init__(block)
+        block.lin = nn.Linear(D, D)
+        blocks.append(block)
+    stack = nn.ModuleList(blocks)
+
+    def run(x):
+        for block in stack:
+            if torch.rand([]) < 0.0:
+                continue
+            x = block(x)
+        return x.square().mean()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="fxmem", options={"inner": "eager"})
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=2):
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, D)).backward()
+    ours = [str(w.message) for w in caught if issubclass(w.category, RecompileLimitWarning)]
+    assert len(ours) == 1, ours
+    assert "'wrapper'" in ours[0] and "shared by several functions" in ours[0] and "dynamic=True" not in ours[0]
