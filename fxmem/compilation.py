@@ -101,7 +101,9 @@ class Outputs:
     """What one forward run of a step made or took alive, and how long each stayed alive: its
     outputs (those that are not its inputs) and, with ``taken[i]`` its input position, the
     inputs that eager code made between the graphs (an input with a ``grad_fn`` that no watched
-    run returned: what the caller's code computed, which this graph may keep for its backward).
+    run returned: what the caller's code computed, which this graph may keep for its backward)
+    and what that eager code's autograd nodes saved for their backward on the way to them (with
+    the position of the input they were found from: they scale with it).
     ``later[i]`` is the number of the step's later forward runs it outlived (None: alive when the
     backward began, held by a graph's saved tensors, an eager autograd node or the caller). Read
     from weak references to their storages after each later run."""
