@@ -101,7 +101,9 @@ class Outputs:
     """What one forward run of a step made or took alive, and how long each stayed alive: its
     outputs (those that are not its inputs) and, with ``taken[i]`` its input position, the
     inputs that eager code made between the graphs (an input with a ``grad_fn`` that no watched
-    run returned: what the caller's code computed, which this graph may keep for its backward).
+    run returned: what the caller's code computed, which this graph may keep for its backward)
+    and what that eager code's autograd nodes saved for their backward on the way to them (with
+    the position of the input they were found from: they scale with it).
     ``later[i]`` is the number of the step's later forward runs it outlived (None: alive when the
     backward began, held by a graph's saved tensors, an eager autograd node or the caller). Read
     from weak references to their storages after each later run."""
@@ -137,6 +139,9 @@ class _Watched:
     next step begins)."""
     open: list[Outputs] = field(default_factory=list)
     dying: list[Outputs] = field(default_factory=list)
+    # ids of the eager autograd nodes whose saved tensors this step's forward already counted
+    # (:func:`_eager_saved`; cleared when the backward begins)
+    walked: set[int] = field(default_factory=set)
 
 
 _WATCHED = _Watched()
@@ -173,10 +178,70 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
             if a.grad_fn is not None and r.cdata not in watched and not isinstance(a, torch.nn.Parameter):
                 refs[r.cdata] = (a.untyped_storage().nbytes(), r, i)  # made by eager code
                 watched.add(r.cdata)
+    for i, a in enumerate(args):  # what the eager code that made an input saved for its backward
+        if isinstance(a, torch.Tensor) and a.grad_fn is not None:
+            for t in _eager_saved(a.grad_fn):
+                if (r := key(t)) is not None and r.cdata not in watched and r.cdata not in refs:
+                    refs[r.cdata] = (t.untyped_storage().nbytes(), r, i)
+                    watched.add(r.cdata)
     _RUNS[0] += 1
     values = list(refs.values())
     return Outputs([b for b, _, _ in values], [r for _, r, _ in values], [None] * len(values), _RUNS[0],
                    [k for _, _, k in values], params=params)
+
+
+_HELD_BY_AUTOGRAD_ONLY: list[int] = []  # sys.getrefcount of a saved tensor no Python code holds
+
+
+def _refcount(node: Any, name: str) -> tuple[torch.Tensor, int]:
+    import sys
+
+    t = getattr(node, name)
+    return t, sys.getrefcount(t)
+
+
+def _eager_saved(fn: Any) -> list[torch.Tensor]:
+    """The tensors that eager autograd nodes save for the backward, from ``fn`` back to the
+    compiled graphs' nodes and the leaves: what the eager code between two graphs (Dynamo ran it
+    outside any graph) keeps alive until its backward, unseen by the graphs' own plans. A node
+    walked once this step is not walked again. Counted: saved tensors with a gradient history
+    (made by the step's forward) and those without one that no Python code holds (a dropout
+    mask, a layer norm's statistics); not counted: what Python code holds as well (a batch
+    tensor, a buffer: alive before the step), parameters. Nothing under saved-tensor hooks
+    (offloading, checkpointing: the nodes hold what the hooks packed)."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return []
+    if not _HELD_BY_AUTOGRAD_ONLY:  # this Python's count for a saved tensor only autograd holds
+        probe = torch.ones(1, requires_grad=True) * torch.ones(1)
+        _HELD_BY_AUTOGRAD_ONLY.append(_refcount(probe.grad_fn, "_saved_other")[1])
+    walked, out, todo = _WATCHED.walked, [], [fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in walked:
+            continue
+        walked.add(id(node))
+        kind = type(node).__name__
+        if kind == "AccumulateGrad" or kind.startswith("CompiledFunction"):
+            continue  # a leaf, or a compiled graph's backward (its saved values are its plan's)
+        for name in _saved_names(type(node)):
+            try:
+                t, count = _refcount(node, name)
+            except Exception:  # noqa: BLE001 - released, or not a tensor to unpack
+                continue
+            if (isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+                    and (t.requires_grad or count <= _HELD_BY_AUTOGRAD_ONLY[0])):
+                out.append(t)
+        todo += [f for f, _ in node.next_functions]
+    return out
+
+
+_SAVED_NAMES: dict[type, list[str]] = {}
+
+
+def _saved_names(kind: type) -> list[str]:
+    if kind not in _SAVED_NAMES:
+        _SAVED_NAMES[kind] = [a for a in dir(kind) if a.startswith("_saved_")]
+    return _SAVED_NAMES[kind]
 
 
 def _watch(run: int) -> None:
@@ -216,6 +281,7 @@ def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:
             o.freed = [None] * len(o.refs)
         _WATCHED.dying[:] = [o for o in _WATCHED.open if any(o.refs)]
         _WATCHED.open.clear()
+        _WATCHED.walked.clear()
         _LAST_BACKWARD[0] = None
     _died_in_backward()
     _LAST_BACKWARD[0] = run

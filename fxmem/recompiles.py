@@ -54,9 +54,17 @@ class _Watch(logging.Filter):
         self.warned.add(key)
         name = record.args[0] if isinstance(record.args, tuple) and record.args else "recompile_limit"
         filename, lineno = user_line(sys._getframe()) or (code.co_filename, code.co_firstlineno)
+        args = record.args if isinstance(record.args, tuple) else ()
+        reason = str(args[3]) if len(args) > 3 else ""
+        if "__code__" in reason:  # a guard on which function a wrapper's closure holds
+            fix = (f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno}) is one code object shared by "
+                   f"several functions (a decorator's wrapper), each one more compile: raise "
+                   f"torch._dynamo.config.{name} above their number")
+        else:
+            fix = f"Use dynamic=True or raise torch._dynamo.config.{name}"
         warnings.warn_explicit(
-            f"fxmem: Dynamo's {name} ({limit}) was reached: this call now runs eagerly, without fxmem. Use "
-            f"dynamic=True or raise torch._dynamo.config.{name}", RecompileLimitWarning, filename, lineno)
+            f"fxmem: Dynamo's {name} ({limit}) was reached: this call now runs eagerly, without fxmem. {fix}",
+            RecompileLimitWarning, filename, lineno)
 
 
 def _compiling(frame: FrameType | None, fxmem_backend: Callable | None) -> tuple[CodeType, int] | None:

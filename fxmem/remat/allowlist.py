@@ -39,7 +39,7 @@ _COPIES = {
     aten.full_like, aten.zeros_like, aten.ones_like, aten.empty, aten.where, aten.index, prims.iota,
     aten.gather, aten.embedding, aten.constant_pad_nd, aten.repeat, aten.index_select,
     aten.slice_scatter, aten.select_scatter, aten.tril, aten.triu, aten.masked_fill, aten.empty_like,
-    aten.new_empty, aten.empty_strided,
+    aten.new_empty, aten.empty_strided, aten.roll,
 }
 _REDUCTIONS_AND_NORMS = {
     aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,

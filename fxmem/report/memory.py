@@ -82,8 +82,11 @@ def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
     alive at the backward's start is held until that backward ends (an upper bound: a graph's
     saved input may be freed at its last use there, before that backward's peak).
 
-    Other work between the graphs (code Dynamo ran eagerly: its temporaries, and what its
-    autograd nodes save of values no graph took) is not seen."""
+    What eager code between the graphs saves for its backward, on the way to a graph's input
+    (a layer norm's input and statistics, a dropout mask), is in ``made`` (found through eager
+    autograd's nodes, :func:`fxmem.compilation._eager_saved`). Other work between the graphs is
+    not seen: eager temporaries, eager backward's buffers, and what eager code saves on a path
+    that reaches no graph (e.g. a loss computed eagerly after the last graph)."""
     def lived(later: int, k: int, at: int) -> bool:
         return later < 0 or at - k <= later
 
