@@ -16,6 +16,7 @@ compiled callables it runs); for a ``torch.compile``d callable, only those compi
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections import deque
@@ -190,7 +191,11 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
                    [k for _, _, k in values], params=params)
 
 
-_HELD_BY_AUTOGRAD_ONLY: list[int] = []  # sys.getrefcount of a saved tensor no Python code holds
+@functools.cache
+def _held_by_autograd_only() -> int:
+    """``sys.getrefcount`` of a saved tensor no Python code holds (this Python's count, probed once)."""
+    probe = torch.ones(1, requires_grad=True) * torch.ones(1)
+    return _refcount(probe.grad_fn, "_saved_other")[1]
 
 
 def _refcount(node: Any, name: str) -> tuple[torch.Tensor, int]:
@@ -211,9 +216,6 @@ def _eager_saved(fn: Any) -> list[torch.Tensor]:
     (offloading, checkpointing: the nodes hold what the hooks packed)."""
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return []
-    if not _HELD_BY_AUTOGRAD_ONLY:  # this Python's count for a saved tensor only autograd holds
-        probe = torch.ones(1, requires_grad=True) * torch.ones(1)
-        _HELD_BY_AUTOGRAD_ONLY.append(_refcount(probe.grad_fn, "_saved_other")[1])
     walked, out, todo = _WATCHED.walked, [], [fn]
     while todo:
         node = todo.pop()
@@ -229,19 +231,16 @@ def _eager_saved(fn: Any) -> list[torch.Tensor]:
             except Exception:  # noqa: BLE001 - released, or not a tensor to unpack
                 continue
             if (isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
-                    and (t.requires_grad or count <= _HELD_BY_AUTOGRAD_ONLY[0])):
+                    and (t.requires_grad or count <= _held_by_autograd_only())):
                 out.append(t)
         todo += [f for f, _ in node.next_functions]
     return out
 
 
-_SAVED_NAMES: dict[type, list[str]] = {}
-
-
-def _saved_names(kind: type) -> list[str]:
-    if kind not in _SAVED_NAMES:
-        _SAVED_NAMES[kind] = [a for a in dir(kind) if a.startswith("_saved_")]
-    return _SAVED_NAMES[kind]
+@functools.cache
+def _saved_names(kind: type) -> tuple[str, ...]:
+    """The ``_saved_*`` attributes of an autograd node type."""
+    return tuple(a for a in dir(kind) if a.startswith("_saved_"))
 
 
 def _watch(run: int) -> None:
