@@ -124,3 +124,26 @@ def test_an_unbacked_symbol_without_a_bound_takes_the_default_within_its_range()
     env.set_real_tensor_prop_unbacked_vals(seen, 7)
     assert unbacked_value(env, seen) == (7, "seen")
     assert isinstance(free, sympy.Symbol)
+
+
+def test_the_min_cut_survives_networkx_preflow_push_indexing_past_its_levels(batch, monkeypatch):
+    """networkx's preflow-push raised IndexError on a data-dependent graph under some node orders
+    (its ``_assert_scalar`` nodes reach no source edge): the cut is taken with Edmonds-Karp then,
+    the same cut."""
+    import fxmem.remat.mincut as mincut
+
+    _, _, compiled, _, _ = _compiled({"level": 1, "strict": True}, batch)
+    want = fxmem.report(compiled).graphs[0]
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(mincut, "preflow_push", broken)
+    _, _, compiled, _, fxmem_warnings = _compiled({"level": 1, "strict": True}, batch)
+    got = fxmem.report(compiled).graphs[0]
+    assert calls and not fxmem_warnings
+    assert (got.saved_bytes, got.saved_expr, got.predict_peak()) == (want.saved_bytes, want.saved_expr,
+                                                                      want.predict_peak())
