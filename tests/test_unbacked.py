@@ -147,3 +147,11 @@ def test_the_min_cut_survives_networkx_preflow_push_indexing_past_its_levels(bat
     assert calls and not fxmem_warnings
     assert (got.saved_bytes, got.saved_expr, got.predict_peak()) == (want.saved_bytes, want.saved_expr,
                                                                       want.predict_peak())
+
+
+def test_with_real_tensor_propagation_the_plan_takes_the_sizes_seen(batch):
+    with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True):
+        _, _, compiled, _, fxmem_warnings = _compiled({"level": 1, "strict": True}, batch)
+    notes = [n for n in fxmem.report(compiled).graphs[0].notes if n.startswith("data-dependent size")]
+    rows, k = int((batch[:, 0] > 0).sum()), int((batch[:, 1] > 0).sum())
+    assert {f"planned at {rows} (seen)", f"planned at {k} (seen)"} <= {n.split(" ", 3)[3] for n in notes}, notes
