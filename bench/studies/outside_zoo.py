@@ -2,8 +2,11 @@
 hold on families fxmem's tests never saw). Each is built here from its Hugging Face config at the
 zoo's tiny sizes, dropout as the config ships, and measured as ``zoo_table.py`` measures the zoo:
 
-    python bench/studies/outside_zoo.py [--inner inductor] [MODEL ...]
-        # writes bench/results/outside-tiny[-inductor].{json,md}
+    python bench/studies/outside_zoo.py [--inner inductor] [--capture] [MODEL ...]
+        # writes bench/results/outside[-capture]-tiny[-inductor].{json,md}
+
+``--capture``: Dynamo keeps data-dependent operators in the graph (``capture_scalar_outputs``,
+``capture_dynamic_output_shape_ops``): their sizes are unbacked symbols (issue #56).
 """
 
 from __future__ import annotations
@@ -271,9 +274,15 @@ def main(argv: list[str] | None = None) -> None:
     zoo.PROFILES["tiny"].update({name: {} for name in OUTSIDE})
     zoo_table.FAMILY.update(FAMILY)
     argv = list(sys.argv[1:] if argv is None else argv)
+    capture = "--capture" in argv
+    argv = [a for a in argv if a != "--capture"]
     if not [a for a in argv if a in OUTSIDE]:
         argv += list(OUTSIDE)
-    zoo_table.main(argv, prefix="outside", script="bench/studies/outside_zoo.py")
+    if capture:
+        torch._dynamo.config.capture_scalar_outputs = True
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    zoo_table.main(argv, prefix="outside-capture" if capture else "outside",
+                   script="bench/studies/outside_zoo.py" + (" --capture" if capture else ""))
 
 
 if __name__ == "__main__":

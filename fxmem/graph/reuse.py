@@ -16,11 +16,12 @@ import torch.fx as fx
 
 from .inplace import COMMUTATIVE, INPLACE, INTO_FIRST
 from .liveness import last_reads, storage_roots
+from .sizes import definitely
 
 
 def _fresh_contiguous(val, like) -> bool:
-    return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.shape == like.shape
-            and val.dtype == like.dtype and val.is_contiguous() and like.is_contiguous())
+    return (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor) and val.dtype == like.dtype
+            and definitely(lambda: val.shape == like.shape and val.is_contiguous() and like.is_contiguous()))
 
 
 def _broadcasts_to(b, a: fx.Node) -> bool:

@@ -3,6 +3,13 @@
 With ``dynamic=True`` Dynamo's symbols (``s52``) stand for input dimensions; we name them after the
 first input they came from (``input_ids.size(0)``) so formulas read well. Static shapes give
 plain integers. ``SymbolicSizes.at(expr)`` evaluates a formula at the plan shape.
+
+Data-dependent sizes (``nonzero``, a boolean mask's selection, a size read with ``.item()``, under
+``torch._dynamo.config.capture_dynamic_output_shape_ops`` / ``capture_scalar_outputs``) are
+unbacked symbols (``u0``): they have no hint. Each is given a value (:func:`unbacked_value`): the
+value seen at run time where the ShapeEnv recorded it (``propagate_real_tensors``), else the
+upper bound of its value range (``nonzero``'s: the input's numel), else a default (Inductor's
+``unbacked_symint_fallback``) within its range.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import sympy
 import torch
@@ -151,8 +158,64 @@ def tensor_bytes(val) -> sympy.Expr:
     return sympy.Integer(0)
 
 
-def _shape_env(gm: fx.GraphModule):
-    for n in gm.graph.find_nodes(op="placeholder"):
+_UNBOUNDED = 2 ** 40  # an upper bound above this is no bound (``int_oo``, ``sys.maxsize - 1``)
+
+
+def unbacked_value(env, sym: sympy.Symbol) -> tuple[int, str]:
+    """(the value fxmem plans an unbacked symbol at, how it was chosen: ``"seen"``, ``"upper
+    bound"`` or ``"default"``). The seen value where the ShapeEnv has one (real-tensor
+    propagation), else the upper bound of the symbol's value range, else Inductor's
+    ``unbacked_symint_fallback`` clamped into the range."""
+    seen = getattr(env, "real_tensor_prop_unbacked_vals", {}).get(sym)
+    if seen is not None:
+        return int(seen), "seen"
+    vr = env.var_to_range.get(sym)
+    lo, hi = (vr.lower, vr.upper) if vr is not None else (0, None)
+    if hi is not None and hi.is_number and hi < _UNBOUNDED:
+        return int(hi), "upper bound"
+    from torch._inductor import config as inductor_config
+
+    value = int(inductor_config.unbacked_symint_fallback)
+    if getattr(lo, "is_number", False) and lo > -_UNBOUNDED:
+        value = max(value, int(lo))
+    return value, "default"
+
+
+def definitely(check: Callable[[], bool]) -> bool:
+    """``check()``, False where it depends on a data-dependent size it cannot decide (a question
+    about a shape with an unbacked symbol: the answer that assumes nothing)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        return bool(check())
+    except GuardOnDataDependentSymNode:
+        return False
+
+
+def _graph_symbols(gm: fx.GraphModule) -> list[sympy.Symbol]:
+    """The symbols in the sizes (and symbolic integers) of ``gm``'s node values, in graph order."""
+    found: dict[sympy.Symbol, None] = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        for t in (v if isinstance(v, (tuple, list)) else [v]):
+            dims = [t] if isinstance(t, torch.SymInt) else t.shape if isinstance(t, torch.Tensor) else ()
+            for d in dims:
+                if isinstance(d, torch.SymInt):
+                    found.update(dict.fromkeys(sorted(d.node.expr.free_symbols, key=str)))
+    return list(found)
+
+
+def _is_unbacked(sym: sympy.Symbol) -> bool:
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    return symbol_is_type(sym, SymT.UNBACKED_INT)
+
+
+def _shape_env(gm: fx.GraphModule, placeholders: bool = True):
+    """The ShapeEnv of the symbols of ``gm``'s placeholders (``placeholders=False``: of any node's
+    value: a graph with static inputs has one where it makes a data-dependent size)."""
+    nodes = gm.graph.find_nodes(op="placeholder") if placeholders else gm.graph.nodes
+    for n in nodes:
         v = n.meta.get("val")
         for d in ([v] if isinstance(v, torch.SymInt) else getattr(v, "shape", ())):
             if isinstance(d, torch.SymInt):
@@ -169,11 +232,14 @@ class SymbolicSizes:
     # (duck sizing), so ``labels.size(1)`` may be ``input_ids.size(1)``'s symbol
     aliases: dict[sympy.Symbol, list[str]] = field(default_factory=dict)
     values: dict[sympy.Symbol, int] = field(default_factory=dict)  # symbol -> value at plan shape
+    # unbacked (data-dependent) symbol -> how its value in ``values`` was chosen (:func:`unbacked_value`)
+    unbacked: dict[sympy.Symbol, str] = field(default_factory=dict)
+    _env: Any = field(default=None, repr=False)
     _cache: dict[fx.Node, sympy.Expr] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, plan_shape: Mapping[str, tuple[int, ...]] | None = None) -> "SymbolicSizes":
-        env = _shape_env(gm)
+        env = _shape_env(gm) or _shape_env(gm, placeholders=False)
         sizes = cls()
         if env is None:
             return sizes
@@ -188,7 +254,20 @@ class SymbolicSizes:
                 sizes.values[sym] = int(val)
         if plan_shape:
             sizes.values.update(sizes._resolve_plan_shape(plan_shape))
+        sizes._env = env
+        sizes.add_unbacked(_graph_symbols(gm))
         return sizes
+
+    def add_unbacked(self, symbols) -> None:
+        """Give the unbacked symbols among ``symbols`` that have none a value (:func:`unbacked_value`)."""
+        for sym in symbols:
+            if sym not in self.values and self._env is not None and _is_unbacked(sym):
+                self.values[sym], self.unbacked[sym] = unbacked_value(self._env, sym)
+
+    def unbacked_notes(self) -> list[str]:
+        """One line per unbacked symbol: the value the plan took for it and why."""
+        return [f"data-dependent size {s.name} planned at {self.values[s]} ({how})"
+                for s, how in sorted(self.unbacked.items(), key=lambda kv: kv[0].name)]
 
     def _resolve_plan_shape(self, plan_shape: Mapping[str, tuple[int, ...]]) -> dict[sympy.Symbol, int]:
         """The values ``plan_shape`` gives this graph's symbols (its keys were checked against the
@@ -213,10 +292,13 @@ class SymbolicSizes:
 
     def at(self, expr: sympy.Expr) -> int:
         """The formula's value at the plan shape."""
-        v = expr.xreplace(self.values) if expr.free_symbols else expr
+        if not expr.free_symbols:
+            return int(expr)
+        self.add_unbacked(expr.free_symbols - self.values.keys())  # one made after the plan's start
+        v = expr.xreplace(self.values)
         try:
             return int(v)
-        except TypeError:  # a symbol without a value (unbacked): count it as 1
+        except TypeError:  # a symbol without a value (not from this graph's ShapeEnv): count it as 1
             return int(v.xreplace({s: 1 for s in v.free_symbols}))
 
     def pretty(self, expr: sympy.Expr) -> str:

@@ -17,7 +17,7 @@ import networkx as nx
 import numpy as np
 import scipy.sparse as sp
 import torch.fx as fx
-from networkx.algorithms.flow import preflow_push
+from networkx.algorithms.flow import edmonds_karp, preflow_push
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from ..graph.joint import JointGraph, is_multi_output, is_sym
@@ -82,7 +82,14 @@ def cut(p: CutProblem, lam: float) -> tuple[list[fx.Node], float]:
     if SINK not in g:
         return [], 0.0
     try:
-        r = preflow_push(g, SOURCE, SINK)
+        try:
+            r = preflow_push(g, SOURCE, SINK)
+        except IndexError:
+            # networkx's preflow-push can index past its height levels, depending on the node order
+            # (seen with a data-dependent graph's ``_assert_scalar`` nodes, which no source edge
+            # reaches); another max-flow algorithm's residual network gives the same cut: the
+            # nodes that reach the sink in the residual of any maximum flow are the same
+            r = edmonds_karp(g, SOURCE, SINK)
     except nx.NetworkXUnbounded:
         r = None
     if r is None or r.graph["flow_value"] >= r.graph["inf"]:
