@@ -318,11 +318,14 @@ def _crossing(split, bw: list[Event], sizes, nbytes: Callable) -> dict[str, symp
     An output that is a view holds its whole storage (the value of a fused projection returned
     as a slice keeps the projection), counted once however many outputs share it, and not where
     a kept value holds it already."""
-    placeholders = {n.name for n in split.bw.graph.find_nodes(op="placeholder")}
     root = storage_roots(split.fw)
-    outs = split.fw.graph.output_node().all_input_nodes
-    kept = {root[n] for n in outs if n.name in placeholders}
-    held = dict.fromkeys(root[n] for n in outs if n.name not in placeholders)
+    # The forward returns its outputs, then the values it hands to the backward (``split.saved``,
+    # then the SymInts): told apart by position, not by name (``replay.bind_states`` renames a
+    # kept generator state after the split: the backward's placeholder keeps the state's name)
+    outs = list(split.fw.graph.output_node().args[0])
+    n_out = len(outs) - len(split.saved) - len(split.saved_syms)
+    kept = {root[n] for n in outs[n_out:] if isinstance(n, torch.fx.Node)}
+    held = dict.fromkeys(root[n] for n in outs[:n_out] if isinstance(n, torch.fx.Node))
     bw_out = set(split.bw.graph.output_node().all_input_nodes)
     return {**taken(split, bw),
             "outputs": _sum(nbytes(r) for r in held if r.op != "placeholder" and r not in kept),
