@@ -32,7 +32,12 @@ from .sizes import dim_expr
 
 log = logging.getLogger("fxmem")
 aten = torch.ops.aten
-MEASURED = {aten.convolution.default, aten.convolution_backward.default}
+MEASURED = {aten.convolution.default, aten.convolution_backward.default,
+            # the interpolations the eager inner compiler keeps as eager's kernels (fxmem.inner.eager_kernels):
+            # their CPU kernels copy a non-contiguous argument (a gradient sliced out of a concatenation's)
+            *(getattr(aten, f"{name}{part}").default for name in ("upsample_linear1d", "upsample_bilinear2d",
+                                                                   "upsample_trilinear3d", "upsample_bicubic2d")
+              for part in ("", "_backward"))}
 
 
 def _hint(d) -> int:

@@ -107,6 +107,12 @@ def _safe_softmax_mask(v: torch.Tensor) -> sympy.Expr:  # bool per entry, then p
     return _numel(v) + _numel(v) / dim_expr(v.shape[-1]) if v.dim() else sympy.Integer(2)
 
 
+def _contiguous_copy(v: torch.Tensor) -> sympy.Expr:
+    """The kernel's ``input.contiguous()``: a copy of a non-contiguous input (CPU softmax's; a
+    channels-last logits map out of an interpolation's kernel, SegFormer's loss)."""
+    return ZERO if v.is_contiguous() else tensor_bytes(v)
+
+
 def _run_with_rng_state(target, args, kwargs, out) -> sympy.Expr:  # (state, op, *args)
     return tensor_bytes(value_of(args[0])) + op_scratch(args[1], args[2:], kwargs, out)
 
@@ -440,6 +446,8 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     aten.native_dropout_backward.default: _cpu_bytes,
     aten.native_batch_norm_backward.default: _cpu(tensor_bytes, arg=1),
     aten._safe_softmax.default: _cpu(_safe_softmax_mask),
+    aten._softmax.default: _cpu(_contiguous_copy),
+    aten._log_softmax.default: _cpu(_contiguous_copy),
     aten.embedding_dense_backward.default: _embedding_dense_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _cpu_flash,
