@@ -137,19 +137,22 @@ def _decorated_forward(k: int):
     return deprecate_kwarg("past_key_values", "99.0", new_name="cache")(forward)
 
 
+def _block(name: str, forward) -> nn.Module:
+    """A module of its own class ``name`` whose ``forward`` is ``forward``, with one linear layer."""
+    cls = types.new_class(name, (nn.Module,))
+    cls.forward = forward
+    block = cls()
+    nn.Module.__init__(block)
+    block.lin = nn.Linear(D, D)
+    return block
+
+
 def test_shared_decorator_wrapper_does_not_reach_the_recompile_limit():
     pytest.importorskip("transformers")
     from fxmem.recompiles import RecompileLimitWarning
 
     n = 12  # more decorated methods than Dynamo's recompile_limit (8)
-    blocks = []
-    for k in range(n):
-        cls = types.new_class(f"Block{k}", (nn.Module,))
-        cls.forward = _decorated_forward(k)
-        block = cls()
-        nn.Module.__init__(block)
-        block.lin = nn.Linear(D, D)
-        blocks.append(block)
+    blocks = [_block(f"Block{k}", _decorated_forward(k)) for k in range(n)]
 
     class Stack(nn.Module):
         def __init__(self):
@@ -236,12 +239,7 @@ def test_recompile_limit_on_a_shared_wrapper_names_the_wrapper():
         def forward(self, x):
             return self.lin(x).relu() + x
         forward.__code__ = forward.__code__.replace(co_name=f"forward_{k}")
-        cls = types.new_class(f"Logged{k}", (nn.Module,))
-        cls.forward = logged(forward)
-        block = cls()
-        nn.Module.__init__(block)
-        block.lin = nn.Linear(D, D)
-        blocks.append(block)
+        blocks.append(_block(f"Logged{k}", logged(forward)))
     stack = nn.ModuleList(blocks)
 
     def run(x):
