@@ -125,18 +125,6 @@ def test_batch_tensor_saved_by_eager_code_is_not_counted():
     assert _eager_saved_bytes(fxmem.report(compiled)) == act + 2 * B * S * 4
 
 
-def _decorated_forward(k: int):
-    """A distinct ``forward`` (its own code object, as every model class has) decorated with
-    transformers' ``deprecate_kwarg``: every decoration shares the wrapper's one code object."""
-    from transformers.utils.deprecation import deprecate_kwarg
-
-    def forward(self, x):
-        return self.lin(x).relu() + x
-
-    forward.__code__ = forward.__code__.replace(co_name=f"forward_{k}")
-    return deprecate_kwarg("past_key_values", "99.0", new_name="cache")(forward)
-
-
 def _block(name: str, forward) -> nn.Module:
     """A module of its own class ``name`` whose ``forward`` is ``forward``, with one linear layer."""
     cls = types.new_class(name, (nn.Module,))
@@ -145,36 +133,6 @@ def _block(name: str, forward) -> nn.Module:
     nn.Module.__init__(block)
     block.lin = nn.Linear(D, D)
     return block
-
-
-def test_shared_decorator_wrapper_does_not_reach_the_recompile_limit():
-    pytest.importorskip("transformers")
-    from fxmem.recompiles import RecompileLimitWarning
-
-    n = 12  # more decorated methods than Dynamo's recompile_limit (8)
-    blocks = [_block(f"Block{k}", _decorated_forward(k)) for k in range(n)]
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(blocks)
-
-        def forward(self, x):
-            for block in self.blocks:
-                if torch.rand([]) < 0.0:  # a break in the loop: the blocks are the frames Dynamo starts at
-                    continue
-                x = block(x)
-            return x.square().mean()
-
-    model = Stack()
-    x = torch.randn(4, D)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager"})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compiled(x).backward()
-    assert not [w for w in caught if issubclass(w.category, RecompileLimitWarning)]
-    assert len(fxmem.report(compiled).step_graphs()) == n  # every block compiled, none left to eager
 
 
 class DelayAggregation(nn.Module):

@@ -76,7 +76,10 @@ def test_the_unlowered_candidate_is_what_a_compile_without_the_matches_traces(mo
     assert any(op.startswith("fxmem.") and "norm" not in op for op in fused_ops)
     seen.clear()
     lowering = options["lowering"] if isinstance(options.get("lowering"), dict) else {}
-    _step(name, {**options, "lowering": {**lowering, **OFF}}, autocast, **sizes)
+    # the loss a case does not compare stays on: declined as futile there too, its returned logits
+    # leave both graphs without a gradient (fxmem.lowering.returned.alias)
+    off = {k: v for k, v in OFF.items() if not (k == "fused_linear_cross_entropy" and case == "llama-swiglu")}
+    _step(name, {**options, "lowering": {**lowering, **off}}, autocast, **sizes)
     [(direct_ops, direct_peak)] = seen
     assert unfused_ops == direct_ops
     assert unfused_peak == direct_peak
