@@ -73,14 +73,13 @@ import torch.fx as fx
 from ..graph.module import graph_module
 from . import amp, splice
 from .patterns import PATTERNS, Context, Match, Pattern, Skip, enabled
-from .returned import Spec, alias, detach, reattached
+from .returned import KEEP_META, Spec, alias, detach, reattached
 from .savings import bytes_saved
 
 __all__ = ["PATTERNS", "Pattern", "Lowered", "Lowering", "lower", "enabled", "reattached"]
 
 log = logging.getLogger("fxmem")
 UNCOMPARED = "not applied: its plan could not be compared (the ops it replaces read a value that is not a tensor)"
-_KEEP_META = ("example_value", "stack_trace", "nn_module_stack")
 
 
 @dataclass(frozen=True)
@@ -227,14 +226,14 @@ def _apply(graph: fx.Graph, m: Match, ctx: Context, erased: set, regions: list |
         through = lambda a: fx.map_arg(a, lambda x: marks.get(x, x))  # noqa: E731
     with graph.inserting_before(m.output):
         new = graph.call_function(m.call, through(m.args), through(m.kwargs))
-    new.meta.update({k: m.output.meta[k] for k in _KEEP_META if k in m.output.meta})
+    new.meta.update({k: m.output.meta[k] for k in KEEP_META if k in m.output.meta})
     name = m.output.name
     m.output.replace_all_uses_with(new)
     replaced = [new]
     for n, call, args, kwargs in m.kept:  # still used elsewhere (e.g. returned): computed by ``call`` instead
         with graph.inserting_before(n):
             kept = graph.call_function(call, through(args), through(kwargs))
-        kept.meta.update({k: n.meta[k] for k in _KEEP_META if k in n.meta})
+        kept.meta.update({k: n.meta[k] for k in KEEP_META if k in n.meta})
         n.replace_all_uses_with(kept)
         replaced.append(kept)
     if regions is not None:

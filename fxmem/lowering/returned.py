@@ -29,6 +29,8 @@ import torch.fx as fx
 from . import functions as fn
 from .splice import is_mark
 
+# node meta a replacement node takes from the node it stands for
+KEEP_META = ("example_value", "stack_trace", "nn_module_stack")
 ARG, OUT = "arg", "out"  # where an operand comes from at run time: a graph input, an extra output
 
 
@@ -56,8 +58,7 @@ def alias(graph: fx.Graph, logits: fx.Node, operands: tuple, kwargs: dict) -> bo
         return False
     with graph.inserting_after(logits):
         node = graph.call_function(fn.returned_alias, (logits, *operands), kwargs)
-    node.meta.update({k: logits.meta[k] for k in ("example_value", "stack_trace", "nn_module_stack")
-                      if k in logits.meta})
+    node.meta.update({k: logits.meta[k] for k in KEEP_META if k in logits.meta})
     for out in outputs:
         out.replace_input_with(logits, node)
     return True
