@@ -33,6 +33,18 @@ def _fresh_dynamo():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """A test that sets torch's thread count (per-thread kernel blocks, bitwise runs) leaves the
+    next one the count it found: which kernel a CPU convolution runs on depends on it (CI ran a
+    convolution test after a flash-attention test that had set one thread)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(items):
     """Inductor compiles and multi-process runs are slow here: ``-m "not slow"`` leaves them out."""
     for item in items:

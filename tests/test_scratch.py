@@ -256,6 +256,7 @@ def test_convolution_formulas_equal_the_allocator_per_kernel_path(case):
     batch 3, 24 and 48 channels), and covers the listed calls."""
     from fxmem.graph.scratch import conv_formula
 
+    torch.set_num_threads(2)  # a 1x1 kernel on one thread runs on slow2d, not oneDNN (restored by conftest)
     covered = set()
     for k, s, c, name, op, args in _formula_calls(case):
         predicted = conv_formula(op, args)
