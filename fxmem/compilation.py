@@ -17,11 +17,12 @@ compiled callables it runs); for a ``torch.compile``d callable, only those compi
 from __future__ import annotations
 
 import functools
+import math
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 from torch._dynamo.eval_frame import _TorchDynamoContext, innermost_backend
@@ -118,6 +119,9 @@ class Outputs:
     freed: list[int | None] = field(default_factory=list)
     # the parameters this run took: storage address -> (bytes, trainable): the step's resident bytes
     params: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    # (bytes, parameter's storage address) of each parameter gradient that eager code on the way to
+    # this run's inputs makes in its backward (:func:`_eager_saved`)
+    eager_grads: list[tuple[int, int]] = field(default_factory=list)
 
     def shares(self) -> list[list]:
         """``[fraction of the outputs' bytes, later runs outlived (-1: to the backward), the run
@@ -179,16 +183,19 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
             if a.grad_fn is not None and r.cdata not in watched and not isinstance(a, torch.nn.Parameter):
                 refs[r.cdata] = (a.untyped_storage().nbytes(), r, i)  # made by eager code
                 watched.add(r.cdata)
+    grads: list[tuple[int, int]] = []
     for i, a in enumerate(args):  # what the eager code that made an input saved for its backward
         if isinstance(a, torch.Tensor) and a.grad_fn is not None:
-            for t in _eager_saved(a.grad_fn):
+            found = _eager_saved(a.grad_fn)
+            grads += found.grads
+            for t in found.saved:
                 if (r := key(t)) is not None and r.cdata not in watched and r.cdata not in refs:
                     refs[r.cdata] = (t.untyped_storage().nbytes(), r, i)
                     watched.add(r.cdata)
     _RUNS[0] += 1
     values = list(refs.values())
     return Outputs([b for b, _, _ in values], [r for _, r, _ in values], [None] * len(values), _RUNS[0],
-                   [k for _, _, k in values], params=params)
+                   [k for _, _, k in values], params=params, eager_grads=grads)
 
 
 @functools.cache
@@ -205,7 +212,13 @@ def _refcount(node: Any, name: str) -> tuple[torch.Tensor, int]:
     return t, sys.getrefcount(t)
 
 
-def _eager_saved(fn: Any) -> list[torch.Tensor]:
+class EagerNodes(NamedTuple):
+    """What :func:`_eager_saved` found in eager autograd's nodes."""
+    saved: list[torch.Tensor]  # what they save for the backward
+    grads: list[tuple[int, int]]  # (bytes, parameter's storage address): the parameter gradients they make
+
+
+def _eager_saved(fn: Any) -> EagerNodes:
     """The tensors that eager autograd nodes save for the backward, from ``fn`` back to the
     compiled graphs' nodes and the leaves: what the eager code between two graphs (Dynamo ran it
     outside any graph) keeps alive until its backward, unseen by the graphs' own plans. A node
@@ -213,10 +226,13 @@ def _eager_saved(fn: Any) -> list[torch.Tensor]:
     (made by the step's forward) and those without one that no Python code holds (a dropout
     mask, a layer norm's statistics); not counted: what Python code holds as well (a batch
     tensor, a buffer: alive before the step), parameters. Nothing under saved-tensor hooks
-    (offloading, checkpointing: the nodes hold what the hooks packed)."""
+    (offloading, checkpointing: the nodes hold what the hooks packed).
+
+    And the parameter gradients those nodes' backward makes (an eager embedding's dense
+    [vocab, dim] gradient): buffers of the backward no graph's plan holds."""
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-        return []
-    walked, out, todo = _WATCHED.walked, [], [fn]
+        return EagerNodes([], [])
+    walked, out, grads, todo = _WATCHED.walked, [], [], [fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in walked:
@@ -233,8 +249,12 @@ def _eager_saved(fn: Any) -> list[torch.Tensor]:
             if (isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
                     and (t.requires_grad or count <= _held_by_autograd_only())):
                 out.append(t)
+        for f, k in node.next_functions:
+            if type(f).__name__ == "AccumulateGrad" and isinstance(f.variable, torch.nn.Parameter):
+                meta = f._input_metadata[k]
+                grads.append((math.prod(meta.shape) * meta.dtype.itemsize, f.variable.untyped_storage().data_ptr()))
         todo += [f for f, _ in node.next_functions]
-    return out
+    return EagerNodes(out, grads)
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 
 from ..compilation import compilations, last_step_runs
 from .deep import LayerScaledReport
-from .memory import MemoryReport
+from .memory import MemoryReport, eager_grad_rows
 from .model import ClusterRow, GraphReport, LoweringRow
 from .publish import lowering_rows, publish
 
@@ -48,7 +48,8 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
                         [c.chunk_plan.summary() for c in comps if c.chunk_plan is not None],
                         [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
-                        _dynamo_unsupported(bool(comps)), step, lives, resident)
+                        _dynamo_unsupported(bool(comps)), step, lives, resident,
+                        eager_grad_rows([o.params for o in kept_runs], [o.eager_grads for o in kept_runs]))
 
 
 def _dynamo_unsupported(graphs: bool) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from typing import Any, Callable, Mapping
 
 import sympy
@@ -62,8 +63,37 @@ class Phases:
                    at["gradients"])
 
 
+class EagerGrad(IntEnum):
+    """How a parameter gradient that eager backward code makes lives (:func:`eager_grad_rows`)."""
+    NEW = 0      # the parameter's first gradient: held from then on, as the graphs' own
+    SUMMED = 1   # added to a gradient a graph's backward made: both and their sum alive at once
+    IN_PLACE = 2  # added in place to a sum made before: alive only while it is added
+
+
+def eager_grad_rows(params: list[Mapping[int, tuple[int, bool]]],
+                    grads: list[list[tuple[int, int]]]) -> list[list[list[int]]]:
+    """Per forward run of a step, ``[bytes, EagerGrad]`` of each parameter gradient that eager
+    code on the way to its inputs makes in the backward (``grads[k]``: (bytes, parameter's
+    address)), from the parameters each run took (``params[k]``: address -> (bytes, trainable)).
+    Autograd sums a parameter's gradients in one buffer before it accumulates them: the first
+    eager gradient of a parameter whose graph made one already is added out of place (measured:
+    SwitchTransformers' decoder embedding, tied to the head), the later ones in place."""
+    rows: list[list[list[int]]] = [[] for _ in grads]
+    made: set[int] = set()    # parameters with a gradient by this point of the backward
+    summed: set[int] = set()  # those whose buffer eager code made or summed (added to in place)
+    for k in reversed(range(len(grads))):
+        made |= {p for p, (_, trainable) in params[k].items() if trainable}
+        for nbytes, p in grads[k]:
+            how = EagerGrad.IN_PLACE if p in summed else EagerGrad.SUMMED if p in made else EagerGrad.NEW
+            made.add(p)
+            summed.add(p)
+            rows[k].append([nbytes, int(how)])
+    return rows
+
+
 def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
-                 made: list[list[tuple[int, int, int]]] | None = None) -> int:
+                 made: list[list[tuple[int, int, int]]] | None = None,
+                 eager_grads: list[list[list[int]]] | None = None) -> int:
     """The peak of a training step that runs several graphs (Dynamo split it at graph breaks):
     their forwards in order, then their backwards in reverse. Each forward runs above the kept
     values of the graphs before it and above their outputs still alive; each backward runs above
@@ -84,9 +114,11 @@ def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
 
     What eager code between the graphs saves for its backward, on the way to a graph's input
     (a layer norm's input and statistics, a dropout mask), is in ``made`` (found through eager
-    autograd's nodes, :func:`fxmem.compilation._eager_saved`). Other work between the graphs is
-    not seen: eager temporaries, eager backward's buffers, and what eager code saves on a path
-    that reaches no graph (e.g. a loss computed eagerly after the last graph)."""
+    autograd's nodes, :func:`fxmem.compilation._eager_saved`), and so are the parameter gradients
+    its backward makes (``eager_grads[k]``, :func:`eager_grad_rows`: after run ``k``'s backward).
+    Other work between the graphs is not seen: eager temporaries, eager backward's other buffers,
+    and what eager code saves on a path that reaches no graph (e.g. a loss computed eagerly after
+    the last graph)."""
     def lived(later: int, k: int, at: int) -> bool:
         return later < 0 or at - k <= later
 
@@ -122,7 +154,14 @@ def chained_peak(parts: list[Phases], lives: list[list[tuple]] | None = None,
         kept -= p.kept  # its own kept values are in its backward's peak
         held = kept + sum(b for b, r in left if r <= j)  # those dying in this backward: held through it
         best = max(best, held + grads + p.backward)
-        grads += p.gradients - (parts[j - 1].tangents if j else 0)
+        grads += p.gradients
+        if eager_grads is not None and j < len(eager_grads) and eager_grads[j]:  # eager backward before run j-1's
+            after = kept + sum(b for b, r in left if r < j) + grads
+            for b, how in eager_grads[j]:
+                if how == EagerGrad.NEW:
+                    grads, after = grads + b, after + b
+                best = max(best, after + {EagerGrad.NEW: 0, EagerGrad.SUMMED: 2 * b, EagerGrad.IN_PLACE: b}[how])
+        grads -= parts[j - 1].tangents if j else 0
     return best
 
 
@@ -156,6 +195,9 @@ class MemoryReport:
     # [parameter bytes, trainable parameter bytes] every graph of the latest step took (several
     # graphs: each takes its own layers' parameters); empty: the latest graph's
     step_params: list[int] = field(default_factory=list)
+    # Per entry of ``step``: the parameter gradients eager code makes in its backward (see
+    # :func:`eager_grad_rows`)
+    step_eager_grads: list[list[list[int]]] = field(default_factory=list)
 
     def __str__(self) -> str:
         parts = [table(g) for g in self.graphs] + per_example_lines(self.per_example)
@@ -182,13 +224,17 @@ class MemoryReport:
         the latest graph alone when the step is not known (a report read from JSON without it)."""
         return [self.graphs[i] for i in self.step] if self.step else [self._graph()]
 
+    def _one_graph(self) -> bool:
+        """Whether the step is one graph's own: no graph breaks, no eager backward code making
+        parameter gradients (then it is predicted as the chain of its graphs and that code)."""
+        return len(self.step_graphs()) == 1 and not any(self.step_eager_grads)
+
     def predict_peak(self, **shapes: Any) -> int:
         """Predicted peak bytes of a training step at the given input shapes: the whole step,
         every graph of it where graph breaks split it (:func:`chained_peak`); shapes apply to
         the graphs that take inputs of those names."""
-        graphs = self.step_graphs()
-        if len(graphs) == 1:
-            return graphs[0].predict_peak(**shapes)
+        if self._one_graph():
+            return self.step_graphs()[0].predict_peak(**shapes)
         return self._chained(lambda g: _values_where_named(g, shapes))
 
     def _chained(self, values_of: Callable[[GraphReport], dict[str, int]]) -> int:
@@ -200,7 +246,8 @@ class MemoryReport:
             made = [[(_at_shape(self.graphs[i], -2 - e[0], e[1], values_of(self.graphs[i])), e[2], e[3])
                      for e in lives[k] if len(e) == 4] for k, i in enumerate(order)]
             lives = [[tuple(e) for e in entry if len(e) == 3] for entry in lives]
-        return chained_peak([parts[i] for i in order], lives, made)
+        eager = self.step_eager_grads if len(self.step_eager_grads) == len(order) else None
+        return chained_peak([parts[i] for i in order], lives, made, eager)
 
     def host_bytes(self, **shapes: Any) -> int:
         """Host bytes a step holds at the given input shapes: the saved values its graphs hand to
@@ -231,7 +278,7 @@ class MemoryReport:
         (``input_ids=(1, 2048)``: its first entry is replaced by each candidate batch).
         """
         state, cap_bytes = self.resident_bytes(optimizer), parse_bytes(cap, "cap")
-        if len(self.step_graphs()) == 1:
+        if self._one_graph():
             peak_of = batch_peak(self.step_graphs()[0], shapes)
         else:  # every graph of the step at the candidate batch (dimension 0 of each one's inputs)
             values = {id(g): batch_values(g, shapes) for g in self.step_graphs()}
@@ -254,7 +301,8 @@ class MemoryReport:
         return {"fxmem_report": SCHEMA_VERSION, "graphs": [asdict(g) for g in self.graphs],
                 "per_example": self.per_example, "unplanned_lowerings": self.unplanned_lowerings,
                 "dynamo_unsupported": self.dynamo_unsupported, "step": self.step,
-                "step_outputs": self.step_outputs, "step_params": self.step_params}
+                "step_outputs": self.step_outputs, "step_params": self.step_params,
+                "step_eager_grads": self.step_eager_grads}
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -280,7 +328,8 @@ class MemoryReport:
         return cls(graphs, per_example=data.get("per_example", []),
                    unplanned_lowerings=data.get("unplanned_lowerings", []),
                    dynamo_unsupported=data.get("dynamo_unsupported", []), step=data.get("step", []),
-                   step_outputs=data.get("step_outputs", []), step_params=data.get("step_params", []))
+                   step_outputs=data.get("step_outputs", []), step_params=data.get("step_params", []),
+                   step_eager_grads=data.get("step_eager_grads", []))
 
     def plot(self, path: str) -> str:
         """Saved bytes against recompute cost over the recompute weight; the chosen plan marked."""
