@@ -420,14 +420,16 @@ def _by_code(compiled: Any) -> list[Compilation]:
 
 
 def _roots(compiled: Any) -> list[tuple[Any, dict]]:
-    """(code object, globals) of every function Dynamo may have compiled frames of for ``compiled``."""
+    """(code object, globals) of every function Dynamo may have compiled frames of for ``compiled``:
+    a function and those it wraps (``functools.wraps``' ``__wrapped__``), a module's forwards and
+    what they wrap (a decorated ``forward`` whose wrapper's frame Dynamo skips:
+    :mod:`fxmem.graph_breaks`)."""
     orig = getattr(compiled, "_orig_mod", None) or getattr(compiled, "_torchdynamo_orig_callable", None) or compiled
     fns: list[Callable] = []
+    starts = [type(m).forward for m in orig.modules()] if isinstance(orig, torch.nn.Module) else [orig]
     if isinstance(orig, torch.nn.Module):
-        fns += [type(m).forward for m in orig.modules()]
         fns.append(torch.nn.Module._call_impl)  # module.compile() compiles the module's call
-    else:
-        fn = orig
+    for fn in starts:
         while fn is not None and fn not in fns:
             fns.append(fn)
             fn = getattr(fn, "__wrapped__", None)

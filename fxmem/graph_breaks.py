@@ -22,6 +22,14 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
   the loop (:func:`_eager_scan`), the step eager runs, which peaks lower, over up to
   :data:`SCAN_LOOP_MAX` (256) steps by default (``FXMEM_SCAN_LOOP_MAX``): Dynamo unrolls the
   loop, so its compile time grows with the sequence; longer sequences keep the associative scan.
+- transformers' ``deprecate_kwarg`` wraps many ``forward`` methods (attention, layers, stacks)
+  in one wrapper function, so one code object: where Dynamo starts a frame at a decorated
+  ``forward`` (its caller ran eagerly, e.g. after a graph break in a layer loop), every
+  decorated method and call signature is one more compile of that one code, and past
+  ``recompile_limit`` (8) Dynamo runs it, and every frame under it, eagerly for the rest of the
+  process (an Autoformer step: 8 compiles, then the decoder eager). fxmem has Dynamo skip the
+  wrapper's own frame (it only renames keyword arguments) and compile the method it calls,
+  a code object per method (:func:`_skip_shared_wrappers`); calls Dynamo inlines are unchanged.
 - :func:`breaks_since` tells what broke a step's graph, for ``fxmem.explain`` and ``clipped_grad``.
 """
 
@@ -52,6 +60,35 @@ def ignore_once_warnings(*_: object) -> None:
     if ignore_once_warnings not in handler.start_callbacks:
         handler.register_start_callback(ignore_once_warnings)
     _trace_time_output_hooks()
+    _skip_shared_wrappers()
+
+
+# transformers' decorators whose one wrapper function wraps many ``forward`` methods:
+# (module, a function of it that makes the wrapper when called with a function)
+_SHARED_WRAPPERS = (("transformers.utils.deprecation",
+                     lambda m: m.deprecate_kwarg("fxmem_unused", "0.0", new_name="fxmem_unused_new")),)
+
+
+@functools.cache
+def _wrapper_code(module: str):
+    """The code object of the wrapper that ``module``'s decorator makes (one for every function
+    it decorates), or None where transformers has no such decorator."""
+    make = dict(_SHARED_WRAPPERS)[module]
+    try:
+        return make(sys.modules[module])(lambda self: None).__code__
+    except Exception:  # noqa: BLE001 - another transformers version: nothing to skip
+        return None
+
+
+def _skip_shared_wrappers() -> None:
+    """Have Dynamo skip the frames of transformers' shared wrappers (only theirs: the functions
+    they call are compiled as usual). Again at every compile start: ``torch._dynamo.reset()``
+    forgets what it was told of a code object it compiled."""
+    from torch._dynamo.eval_frame import skip_code
+
+    for module, _ in _SHARED_WRAPPERS:
+        if module in sys.modules and (code := _wrapper_code(module)) is not None:
+            skip_code(code)
 
 
 _CAPTURING = "transformers.utils.output_capturing"
@@ -137,7 +174,8 @@ def scan_loop_max(env: Mapping[str, str] | None = None) -> int:
     return parse_scan_loop_max(env_value(ENV_SCAN_LOOP_MAX, env))
 
 
-_STAND_INS = {_CAPTURING: _output_hooks, **{name: _eager_scan for name in _SCANS}}
+_STAND_INS = {_CAPTURING: _output_hooks, **{name: _eager_scan for name in _SCANS},
+              **{name: lambda _: _skip_shared_wrappers() for name, _ in _SHARED_WRAPPERS}}
 _MARK = "__fxmem_stand_in__"  # set on a function given a stand-in: Dynamo refuses a second registration
 
 

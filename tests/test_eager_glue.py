@@ -6,8 +6,10 @@ mask) is alive from the forward to its backward, beside the graphs' saved values
 ``predict_peak`` counts it (found from the graphs' inputs, through eager autograd's nodes).
 
 And the parameter gradients eager backward code makes (an eager embedding's dense table
-gradient); and a wrapper shared by more functions than Dynamo's ``recompile_limit`` (transformers'
-``deprecate_kwarg``), named in the warning.
+gradient); and transformers' ``deprecate_kwarg`` wrapper, one code object for every decorated
+``forward``: fxmem has Dynamo skip the wrapper's own frame (the method it calls is compiled), so
+that more than ``recompile_limit`` decorated methods do not send the step to eager; another
+shared wrapper is named in the warning.
 """
 import types
 import warnings
@@ -261,3 +263,52 @@ def test_eager_parameter_gradients_are_in_the_step(tied, twice, kinds):
     assert sorted(rows) == sorted(EagerGrad(k) for k in kinds), rep.step_eager_grads
     predicted = rep.predict_peak()
     assert abs(predicted / peak - 1) <= 0.05, (predicted, peak)
+
+
+def _decorated_forward(k: int):
+    """A distinct ``forward`` (its own code object, as every model class has) decorated with
+    transformers' ``deprecate_kwarg``: every decoration shares the wrapper's one code object."""
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    def forward(self, x):
+        return self.lin(x).relu() + x
+
+    forward.__code__ = forward.__code__.replace(co_name=f"forward_{k}")
+    return deprecate_kwarg("past_key_values", "99.0", new_name="cache")(forward)
+
+
+def test_shared_decorator_wrapper_does_not_reach_the_recompile_limit():
+    pytest.importorskip("transformers")
+    from fxmem.recompiles import RecompileLimitWarning
+
+    n = 12  # more decorated methods than Dynamo's recompile_limit (8)
+    blocks = []
+    for k in range(n):
+        cls = types.new_class(f"Block{k}", (nn.Module,))
+        cls.forward = _decorated_forward(k)
+        block = cls()
+        nn.Module.__init__(block)
+        block.lin = nn.Linear(D, D)
+        blocks.append(block)
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(blocks)
+
+        def forward(self, x):
+            for block in self.blocks:
+                if torch.rand([]) < 0.0:  # a break in the loop: the blocks are the frames Dynamo starts at
+                    continue
+                x = block(x)
+            return x.square().mean()
+
+    model = Stack()
+    x = torch.randn(4, D)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).backward()
+    assert not [w for w in caught if issubclass(w.category, RecompileLimitWarning)]
+    assert len(fxmem.report(compiled).step_graphs()) == n  # every block compiled, none left to eager
