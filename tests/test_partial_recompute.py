@@ -19,7 +19,11 @@ import torch.nn.functional as F
 
 import fxmem
 import fxmem.remat.budget as budget
+from fxmem.graph.liveness import step_peak, storage_roots
+from fxmem.graph.reuse import reuse_dead_buffers
 from fxmem.profiling import step_perf
+from fxmem.remat.settings import PlanSettings
+from fxmem.remat.split import split
 from fxmem.remat.steppeak import StepPeak
 
 TOKENS, D = 256, 32
@@ -106,3 +110,28 @@ def test_the_plan_that_keeps_nothing_peaks_about_as_level0_did(monkeypatch):
     _check_grads(g_before, g_e)
     assert peak < peak_before - TOKENS * 2 * D * 4 * 9 // 10, (peak, peak_before)  # 304,256 bytes, was 369,664
     assert peak <= peak0_before + TOKENS * 4 * 2, (peak, peak0_before)
+
+
+def test_the_simulator_peaks_as_the_split_it_chose_runs():
+    """``StepPeak`` of a saved set is the peak of the split's graphs built in the order it chose
+    (``defers``): here the deferred one, for level 0's plan and for the plan keeping nothing."""
+    model, x, gy = _inputs()
+    torch._dynamo.reset()
+    fn = torch.compile(copy.deepcopy(model), backend="fxmem", options={"inner": "eager", "level": 1})
+    fn(x.clone().requires_grad_()).backward(gy)
+    (graph,) = [g for c in fxmem.compilations(fn) for g in c.graphs]
+    joint = graph.plan.problem.joint
+    fast = StepPeak(joint, graph.sizes, PlanSettings.of(fxmem.compilations(fn)[0].options).target)
+    roots = storage_roots(joint.gm)  # keeping nothing: level 0's inputs and their views (weights' transposes)
+    nothing = [n for n in graph.plan.saved if roots[n].op == "placeholder"]
+    assert len(nothing) < len(graph.plan.saved)
+    for saved in (list(graph.plan.saved), nothing):
+        assert fast.defers(saved), [n.name for n in saved if n.op != "placeholder"]
+        s = split(joint, saved, defer=True)
+        reuse_dead_buffers(s.fw)
+        reuse_dead_buffers(s.bw)
+        assert fast(saved) == step_peak(s.fw, s.bw, graph.sizes, joint.input_names())
+        plain = split(joint, saved)
+        reuse_dead_buffers(plain.fw)
+        reuse_dead_buffers(plain.bw)
+        assert fast(saved) < step_peak(plain.fw, plain.bw, graph.sizes, joint.input_names())
