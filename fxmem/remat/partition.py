@@ -202,16 +202,18 @@ class Partitioner(CustomPartitionerFn):
         settings = self.settings
         try:
             if self.compared is not None and has_marks(gm):
-                gm, (joint, sizes, chosen, _), self.declined = compare(gm, num_fwd_outputs, settings, self.compared)
+                gm, (joint, sizes, chosen, ctx), self.declined = compare(gm, num_fwd_outputs, settings, self.compared)
             else:
-                joint, sizes, chosen, _ = _planned(gm, num_fwd_outputs, settings)
+                joint, sizes, chosen, ctx = _planned(gm, num_fwd_outputs, settings)
         except Exception as e:  # noqa: BLE001 - the failure policy decides
             stage_failed("plan", e, settings)
             return self._safe(gm, num_fwd_outputs)
         log.debug("fxmem plan: level %d keeps %d values, %d bytes at the plan shape",
                   chosen.level, len(chosen.saved), chosen.saved_bytes)
         try:
-            result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded)
+            # the backward's order the simulator found to peak lower (``StepPeak.defers``)
+            defer = ctx.peak.defers(chosen.saved, frozenset(chosen.offloaded))
+            result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded, defer=defer)
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)

@@ -37,12 +37,27 @@ class Split:
     offloaded: tuple[fx.Node, ...] = ()  # of ``saved``: handed over in host memory (``fxmem.host_memory``)
 
 
-def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node]) -> list[fx.Node]:
+def deferred(needed: set[fx.Node], late: set[fx.Node]) -> set[fx.Node]:
+    """The ops of ``needed`` (not ``late``) that read only the graph's inputs and that another op
+    of ``needed`` reads: the backward's first matmul of a tangent and a kept weight, a bias's
+    gradient. Run in graph order, such an op allocates at the backward's start, and its output
+    stays alive while the forward the backward recomputes is rebuilt before the op's readers run
+    (issue #56: a gated MLP's ``tangent @ down_weight``, one ``[tokens, 2d]`` buffer, alive across
+    the recomputed norm and projections)."""
+    return {n for n in needed if n not in late and n.op == "call_function"
+            and not any(a in needed for a in n.all_input_nodes) and any(u in needed for u in n.users)}
+
+
+def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node], defer: bool = False) -> list[fx.Node]:
     """``needed`` in an order where each node of ``late`` runs just before its first user.
 
     Recomputed forward nodes are ``late``: computing them all at the start of the backward would
     bring back the forward's peak; computing each just in time keeps one layer's worth alive.
+    ``defer``: the :func:`deferred` ops run just before their first user too (the step simulator
+    picks, per saved set, whichever order peaks lower: ``remat.steppeak.StepPeak.defers``).
     """
+    if defer:
+        late = set(late) | deferred(needed, late)
     order, done = [], set()
     for root in gm.graph.nodes:
         if root not in needed or root in late or root in done:
@@ -73,7 +88,7 @@ def _host_meta(node: fx.Node) -> dict:
 
 def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
              late: set[fx.Node] = frozenset(), effects: tuple[fx.Node, ...] = (),
-             host: frozenset[fx.Node] = frozenset()) -> fx.GraphModule:
+             host: frozenset[fx.Node] = frozenset(), defer: bool = False) -> fx.GraphModule:
     """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``, running
     ``effects`` (mutations that reach no output) too. ``host``: outputs returned in host memory
     (``fxmem::offload`` right after the value is made: its device storage dies at its last read
@@ -100,7 +115,7 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
         return env[n]
 
     needed = ancestors([*outputs, *effects], stop=set(inputs)) - set(inputs)
-    for node in late_order(gm, needed, late):
+    for node in late_order(gm, needed, late, defer):
         if node.op == "placeholder":
             raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
         env[node] = graph.node_copy(node, value)
@@ -233,11 +248,13 @@ def input_view_bases(joint: JointGraph, saved: set[fx.Node]) -> set[fx.Node]:
 
 
 def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: bool = True,
-          offloaded: Collection[fx.Node] = ()) -> Split:
+          offloaded: Collection[fx.Node] = (), defer: bool = False) -> Split:
     """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
     ``input_views=False``: views of graph inputs are redone in the backward from the input
     (:func:`input_view_bases`). ``offloaded``: saved values handed over in host memory
     (``fxmem.host_memory``; each must be one the split hands over: a forward op's own storage).
+    ``defer``: the backward runs its :func:`deferred` ops just before their first user
+    (:func:`late_order`; ``StepPeak.defers`` says where that peaks lower).
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
@@ -269,6 +286,6 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: b
                   host=host)
     bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
-                  late=set(recomputed), effects=joint.bwd_mutations, host=host)
+                  late=set(recomputed), effects=joint.bwd_mutations, host=host, defer=defer)
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed),
                  tuple(n for n in tensors if n in host))

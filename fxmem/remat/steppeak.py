@@ -23,12 +23,13 @@ from ..graph.sizes import SymbolicSizes
 from .fusion import fused_away, fused_facts
 from .replay import generator_state
 from .settings import Target
-from .split import handoff, late_order
+from .split import deferred, handoff, late_order
 
 
 class StepPeak:
     """``StepPeak(joint, sizes, target)(saved)``: the simulated step peak (bytes at the plan
-    shape) of keeping ``saved``, equal to ``step_peak`` of ``split(joint, saved)``."""
+    shape) of keeping ``saved``, equal to ``step_peak`` of ``split(joint, saved, defer=d)``
+    where ``d`` is :meth:`defers` of ``saved``."""
 
     def __init__(self, joint: JointGraph, sizes: SymbolicSizes, target: Target, names: set[str] | None = None,
                  released: frozenset[fx.Node] = frozenset()):
@@ -45,6 +46,7 @@ class StepPeak:
         candidates = target.writes()
         writes = {n: candidates(n) for n in nodes} if candidates is not None else {}
         self._reuse = partial(dead_writes, candidates=writes.__getitem__) if candidates is not None else None
+        self._memo: dict = {}  # (saved, offloaded) -> _backward's result
 
     def __call__(self, saved, offloaded=frozenset()) -> int:
         """``offloaded``: of the saved values, those handed over in host memory (``split``'s)."""
@@ -60,14 +62,52 @@ class StepPeak:
         never stored are not allocated. Ranks plans whose :meth:`__call__` peaks tie."""
         return max(self._phases(saved, fused=True, offloaded=offloaded))
 
+    def defers(self, saved, offloaded=frozenset()) -> bool:
+        """Whether the split of ``saved`` runs the backward's ``split.deferred`` ops just before
+        their first user (``split(..., defer=True)``): where that order's simulated backward
+        peaks lower than graph order's. The peaks here are of the order chosen."""
+        return self._backward(saved, offloaded)[5]
+
+    def _backward(self, saved, offloaded) -> tuple:
+        """(recomputed, saved tensors, saved SymInts, the backward's body, its peak, whether the
+        body defers ``split.deferred``), memoized per saved set: the body is the order of lower
+        simulated peak of the two :func:`~.split.late_order` gives."""
+        key = (frozenset(saved), frozenset(offloaded))
+        if key in self._memo:
+            return self._memo[key]
+        joint = self.joint
+        recomputed, tensors, syms_sorted = handoff(joint, set(saved), self.pos, self._symbols.__getitem__,
+                                                   self.bindings)
+        bw_in = [*syms_sorted, *tensors, *joint.tangents]
+        stop = set(bw_in)
+        needed, late = ancestors(list(joint.bwd_outputs), stop=stop) - stop, set(recomputed)
+        body = late_order(joint.gm, needed, late)
+        peak = peak_bytes(self._walk_bw(bw_in, tensors, body, self._facts, offloaded))
+        defer = False
+        if deferred(needed, late):
+            later = late_order(joint.gm, needed, late, defer=True)
+            if later != body:
+                lower = peak_bytes(self._walk_bw(bw_in, tensors, later, self._facts, offloaded))
+                if lower < peak:
+                    body, peak, defer = later, lower, True
+        self._memo[key] = (recomputed, tensors, syms_sorted, body, peak, defer)
+        return self._memo[key]
+
+    def _walk_bw(self, bw_in, tensors, body, facts, offloaded):
+        first: dict = {}
+        shared = {n: (first.setdefault(self._storage[n], n), self._storage[n]) for n in tensors
+                  if self._storage[n].op != "placeholder"}
+        return walk(bw_in, body, self._returned, self._bytes, facts,
+                    counted={n for n in bw_in if n.name not in self.names}, shared=shared, reuse=self._reuse,
+                    reloaded=offloaded)
+
     def _phases(self, saved, fused: bool, offloaded=frozenset()) -> tuple[int, int]:
         """(forward peak, backward peak) of keeping ``saved``, ``offloaded`` of it in host memory:
         the forward does not return those (the split's offload runs right after each is made, so
         its device storage dies at its last forward read, as here), the backward allocates each
         at its first read (where the split's reload runs)."""
         joint = self.joint
-        recomputed, tensors, syms_sorted = handoff(joint, set(saved), self.pos, self._symbols.__getitem__,
-                                                   self.bindings)
+        recomputed, tensors, syms_sorted, bw_body, bw_peak, _ = self._backward(saved, offloaded)
         primals = list(joint.primals)
         fw_out = [*joint.fwd_outputs, *tensors, *syms_sorted]
         fw_body = sorted(ancestors(fw_out, stop=set(primals)) - set(primals), key=self.pos.__getitem__)
@@ -78,17 +118,11 @@ class StepPeak:
         fw_body, fw_facts = self._fused(fw_body, fw_out) if fused else (fw_body, self._facts)
         fw_kept = [o for o in fw_out if o not in offloaded] if offloaded else fw_out
         fw = walk(primals, fw_body, fw_kept, self._bytes, fw_facts, reuse=self._reuse, states=states)
-        bw_in = [*syms_sorted, *tensors, *joint.tangents]
-        stop = set(bw_in)
-        bw_body = late_order(joint.gm, ancestors(list(joint.bwd_outputs), stop=stop) - stop, set(recomputed))
-        bw_body, bw_facts = self._fused(bw_body, joint.bwd_outputs) if fused else (bw_body, self._facts)
-        first: dict = {}
-        shared = {n: (first.setdefault(self._storage[n], n), self._storage[n]) for n in tensors
-                  if self._storage[n].op != "placeholder"}
-        bw = walk(bw_in, bw_body, self._returned, self._bytes, bw_facts,
-                  counted={n for n in bw_in if n.name not in self.names}, shared=shared, reuse=self._reuse,
-                  reloaded=offloaded)
-        return peak_bytes(fw), peak_bytes(bw)
+        if fused:
+            bw_in = [*syms_sorted, *tensors, *joint.tangents]
+            bw_body, bw_facts = self._fused(bw_body, joint.bwd_outputs)
+            bw_peak = peak_bytes(self._walk_bw(bw_in, tensors, bw_body, bw_facts, offloaded))
+        return peak_bytes(fw), bw_peak
 
     def _fused(self, body: list, outputs) -> tuple[list, NodeFacts]:
         gone = fused_away(body, [o for o in outputs if isinstance(o, fx.Node)])
