@@ -199,13 +199,15 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     least simulated peak (as ``memory_budget=0.0`` would, but the least recompute at that peak):
     level 0's where nothing peaks lower. Layer boundaries are a heuristic; the simulated peak
     judges it. A graph that is one part of a step (no loss in it) takes ``memory_budget=0.0``'s
-    plan (the fewest bytes at the least peak); one for an inner compiler whose peak the simulator
-    does not model exactly (``Target.exact_peak``) ranks the plans at the least peak with its
-    fusion modeled (``StepPeak.fused``)."""
+    plan (the fewest bytes of the plans no worse than level 0's in the step, then the least
+    peak); one for an inner compiler whose peak the simulator does not model exactly
+    (``Target.exact_peak``) ranks the plans at the least peak with its fusion modeled
+    (``StepPeak.fused``)."""
     saved, lam, final = own
     # A graph that returns no scalar to differentiate (a loss) passes its outputs on to more of
     # the step (Dynamo split the step at a graph break): what it keeps is alive while the rest
-    # runs, which its own simulated peak does not see, so it keeps the fewest bytes at its least peak.
+    # runs, which its own simulated peak does not see, so it keeps the fewest bytes of the plans no
+    # worse than level 0's in any phase of the step (``budget.in_a_step``).
     partial = ctx.partial
     # An inner compiler that fuses ops the simulator allocates (Inductor): plans tied at the
     # least simulated peak (its backward's peak in ops every plan runs alike) are ranked with
@@ -215,9 +217,10 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
                                              _layerwise(ctx, must_save, problem), fewest_bytes=partial,
                                              tie=(lambda c: ctx.peak.fused(c.saved)) if fused else None)
     first = scored[0]
-    which = "the plan of least simulated peak" + (
-        f" (of those, the least peak with {ctx.target.name}'s fusion modeled, then the least recompute)"
-        if fused else "")
+    which = ("the plan of fewest kept bytes no worse than level 0's in the step's phases" if partial else
+             "the plan of least simulated peak" + (
+                 f" (of those, the least peak with {ctx.target.name}'s fusion modeled, then the least recompute)"
+                 if fused else ""))
     level = f"level {settings.level}"
     if saved is not None and partial:
         why = "its graph returns no loss (a graph break splits the step) and what it keeps stays alive after it"
@@ -235,7 +238,7 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
         why = "no repeated layers found in the graph" if not ctx.layer else \
             "its plan's simulated peak is not below level 0's"
     # (a tie ranked by fusion: the level's own plan comes first, so another was ranked lower)
-    better = ((chosen.peak, chosen.nbytes) < (first.peak, first.nbytes) if partial
+    better = ((chosen.nbytes, chosen.peak) < (first.nbytes, first.peak) if partial
               else chosen.saved != first.saved if fused else chosen.peak < first.peak)
     if chosen.saved == first.saved or not better:
         notes.append(f"{level}: {why}; using level 0's plan (no plan among {how} peaks lower)")

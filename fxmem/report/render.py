@@ -36,6 +36,7 @@ def _short(config: str, width: int = 64) -> str:
 
 LEVEL0_USED = "using level 0's plan"  # the planner's note when a level's plan does not lower the peak
 LEAST_PEAK_USED = "using the plan of least simulated peak"  # ... and another plan peaks lower
+FEWEST_BYTES_USED = "using the plan of fewest kept bytes"  # ... one part of a step: another keeps fewer
 
 
 def summary(g: GraphReport) -> list[str]:
@@ -44,8 +45,10 @@ def summary(g: GraphReport) -> list[str]:
     from .modules import holders
 
     where = f" (compile {g.compile_id})" if g.compile_id else ""
-    fallback = next((n for n in g.notes if LEVEL0_USED in n or LEAST_PEAK_USED in n), None)
-    which = "level 0's plan" if fallback and LEVEL0_USED in fallback else "the least-peak plan"
+    fallback = next((n for n in g.notes if any(t in n for t in (LEVEL0_USED, LEAST_PEAK_USED, FEWEST_BYTES_USED))),
+                    None)
+    which = ("level 0's plan" if fallback and LEVEL0_USED in fallback else
+             "the fewest-bytes plan" if fallback and FEWEST_BYTES_USED in fallback else "the least-peak plan")
     used = (f"{which} used ({fallback.split(':', 1)[-1].split(';')[0].strip()})"
             if fallback and g.level > 0 else "used as asked")
     b = g.peak_breakdown()
