@@ -17,7 +17,6 @@ compiled callables it runs); for a ``torch.compile``d callable, only those compi
 from __future__ import annotations
 
 import functools
-import math
 import time
 import weakref
 from collections import deque
@@ -249,10 +248,9 @@ def _eager_saved(fn: Any) -> EagerNodes:
             if (isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
                     and (t.requires_grad or count <= _held_by_autograd_only())):
                 out.append(t)
-        for f, k in node.next_functions:
-            if type(f).__name__ == "AccumulateGrad" and isinstance(f.variable, torch.nn.Parameter):
-                meta = f._input_metadata[k]
-                grads.append((math.prod(meta.shape) * meta.dtype.itemsize, f.variable.untyped_storage().data_ptr()))
+        for f, _ in node.next_functions:  # a parameter's gradient: its shape and dtype
+            if type(f).__name__ == "AccumulateGrad" and isinstance(p := f.variable, torch.nn.Parameter):
+                grads.append((p.numel() * p.element_size(), p.untyped_storage().data_ptr()))
         todo += [f for f, _ in node.next_functions]
     return EagerNodes(out, grads)
 
