@@ -55,7 +55,7 @@ class LayerDropModel(nn.Module):
         return self.head(h).square().mean()
 
 
-def _step(model: nn.Module, x: torch.Tensor, options: dict):
+def _step(model: nn.Module, x: torch.Tensor, options: dict, autocast: bool = False):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
     with warnings.catch_warnings(record=True) as caught:
@@ -63,7 +63,7 @@ def _step(model: nn.Module, x: torch.Tensor, options: dict):
         for _ in range(3):
             model.zero_grad(set_to_none=True)
             torch.manual_seed(1)  # the same layers dropped every step
-            with step_perf("cpu") as perf:
+            with step_perf("cpu") as perf, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
                 compiled(x).backward()
     assert not [w for w in caught if "falling back" in str(w.message)]
     return perf.result.peak_bytes, fxmem.report(compiled)
@@ -246,18 +246,28 @@ class EagerEmbedding(nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
 
 
-@pytest.mark.parametrize("tied, twice, kinds", [(True, False, [1]), (False, False, [0]), (True, True, [1, 2])])
-def test_eager_parameter_gradients_are_in_the_step(tied, twice, kinds):
+@pytest.mark.parametrize("tied, twice, kinds, options", [
+    (True, False, [1], {}),
+    (False, False, [0], {}),
+    (True, True, [1, 2], {}),
+    (True, False, [2], {"autocast": True}),  # the head's gradient: the cast's own tensor, summed in place
+    pytest.param(True, True, [2, 2], {"inner": "inductor"}, marks=pytest.mark.inductor),  # a buffer of its own
+])
+def test_eager_parameter_gradients_are_in_the_step(tied, twice, kinds, options):
     """An eager embedding's backward makes a dense [vocab, dim] gradient: held from then on
-    (untied), or added out of place to the gradient the head's graph made (tied: both and the sum
-    alive, the step's peak), later ones in place. ``predict_peak`` counts them (it missed 2 tables
-    of 512 KiB when tied)."""
+    (untied), or added to the gradient the head's graph made (tied): out of place where that is
+    a view of another tensor (the eager inner compiler's ``mm(...).t()`` in fp32: both and the sum
+    alive, the step's peak), in place where it is a tensor of its own (under bf16 autocast the
+    cast's gradient; Inductor's buffer), as are later ones. ``predict_peak`` counts them (it
+    missed 2 tables of 512 KiB when tied)."""
     from fxmem.report.memory import EagerGrad
 
     torch.manual_seed(0)
     model = EagerEmbedding(tied=tied, twice=twice)
     ids = torch.randint(0, 4096, (2, 4))
-    peak, rep = _step(model, ids, {"level": 1})
+    options = dict(options)
+    autocast = options.pop("autocast", False)
+    peak, rep = _step(model, ids, {"level": 1, **options}, autocast=autocast)
     table = 4096 * D * 4
     rows = [how for run in rep.step_eager_grads for b, how in run if b == table]
     assert sorted(rows) == sorted(EagerGrad(k) for k in kinds), rep.step_eager_grads

@@ -49,7 +49,8 @@ def _report(comps: list, compiled: Any) -> MemoryReport:
                         [{"rows": [asdict(r) for r in lowering_rows(u)], "notes": u.notes()}
                          for c in comps for u in c.unplanned_lowerings],
                         _dynamo_unsupported(bool(comps)), step, lives, resident,
-                        eager_grad_rows([o.params for o in kept_runs], [o.eager_grads for o in kept_runs]))
+                        eager_grad_rows([o.params for o in kept_runs], [o.eager_grads for o in kept_runs],
+                                        [o.viewed for o in kept_runs]))
 
 
 def _dynamo_unsupported(graphs: bool) -> list[str]:

@@ -66,27 +66,31 @@ class Phases:
 class EagerGrad(IntEnum):
     """How a parameter gradient that eager backward code makes lives (:func:`eager_grad_rows`)."""
     NEW = 0      # the parameter's first gradient: held from then on, as the graphs' own
-    SUMMED = 1   # added to a gradient a graph's backward made: both and their sum alive at once
-    IN_PLACE = 2  # added in place to a sum made before: alive only while it is added
+    SUMMED = 1   # added out of place to a gradient a graph's backward made as a view: both and the sum alive
+    IN_PLACE = 2  # added in place to the gradient made before: alive only while it is added
 
 
-def eager_grad_rows(params: list[Mapping[int, tuple[int, bool]]],
-                    grads: list[list[tuple[int, int]]]) -> list[list[list[int]]]:
+def eager_grad_rows(params: list[Mapping[int, tuple[int, bool]]], grads: list[list[tuple[int, int]]],
+                    viewed: list[set[int]]) -> list[list[list[int]]]:
     """Per forward run of a step, ``[bytes, EagerGrad]`` of each parameter gradient that eager
     code on the way to its inputs makes in the backward (``grads[k]``: (bytes, parameter's
-    address)), from the parameters each run took (``params[k]``: address -> (bytes, trainable)).
-    Autograd sums a parameter's gradients in one buffer before it accumulates them: the first
-    eager gradient of a parameter whose graph made one already is added out of place (measured:
-    SwitchTransformers' decoder embedding, tied to the head), the later ones in place."""
+    address)), from the parameters each run took (``params[k]``: address -> (bytes, trainable))
+    and those whose gradient its backward returned as a view (``viewed[k]``). Autograd sums a
+    parameter's gradients in one buffer before it accumulates them, in place where that buffer
+    is the only user of its storage: a graph's gradient that is a view of another tensor (the
+    eager inner compiler's ``mm(...).t()`` of a tied head's weight: SwitchTransformers' decoder
+    embedding) gets the eager one added out of place, both and the sum alive; every other sum
+    is in place."""
     rows: list[list[list[int]]] = [[] for _ in grads]
-    made: set[int] = set()    # parameters with a gradient by this point of the backward
-    summed: set[int] = set()  # those whose buffer eager code made or summed (added to in place)
+    made: set[int] = set()   # parameters with a gradient by this point of the backward
+    views: set[int] = set()  # those whose gradient so far is a view
     for k in reversed(range(len(grads))):
-        made |= {p for p, (_, trainable) in params[k].items() if trainable}
+        made |= {p for p, (_, trainable) in params[k].items() if trainable}  # run k's backward, then its eager code's
+        views |= viewed[k]
         for nbytes, p in grads[k]:
-            how = EagerGrad.IN_PLACE if p in summed else EagerGrad.SUMMED if p in made else EagerGrad.NEW
+            how = EagerGrad.SUMMED if p in views else EagerGrad.IN_PLACE if p in made else EagerGrad.NEW
             made.add(p)
-            summed.add(p)
+            views.discard(p)  # the sum is a tensor of its own
             rows[k].append([nbytes, int(how)])
     return rows
 
