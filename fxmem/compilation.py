@@ -121,8 +121,9 @@ class Outputs:
     # (bytes, parameter's storage address) of each parameter gradient that eager code on the way to
     # this run's inputs makes in its backward (:func:`_eager_saved`)
     eager_grads: list[tuple[int, int]] = field(default_factory=list)
-    # the parameters (storage addresses) whose gradient this run's backward returned as a view of
-    # another tensor (a weight's ``mm(...).t()``): autograd adds another gradient to it out of place
+    # the parameters (storage addresses) whose gradient this run's backward returns as a view of
+    # another tensor (a weight's ``mm(...).t()``: ``PlannedGraph.grad_views``): autograd adds
+    # another gradient to it out of place
     viewed: set[int] = field(default_factory=set)
 
     def shares(self) -> list[list]:
@@ -290,18 +291,11 @@ def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
             _WATCHED.open.pop(0).refs = []
     _CALLS.append((ref, _FORWARD, watched))
     fn.register_prehook(lambda grads: _backward(ref, watched.run))
-    trained = {i: a.untyped_storage().data_ptr() for i, a in enumerate(args)
-               if isinstance(a, torch.nn.Parameter) and a.requires_grad}
-    if trained and type(fn).__name__.startswith("CompiledFunction"):  # its gradients, one per input
-        fn.register_hook(lambda grads, _: _viewed(watched, grads, trained))
-
-
-def _viewed(watched: Outputs, grads: tuple, trained: dict[int, int]) -> None:
-    """Note the parameters (``trained``: input position -> storage address) whose gradient the
-    backward returned as a view (kept by the step's eager gradients, :func:`eager_grad_rows`)."""
-    for i, p in trained.items():
-        if i < len(grads) and isinstance(g := grads[i], torch.Tensor) and g._base is not None:
-            watched.viewed.add(p)
+    # the parameters whose gradient the backward returns as a view (no hook on the backward: a
+    # post-hook would keep its incoming gradients alive until it ran)
+    views = c.graphs[-1].grad_views if c.graphs else frozenset()
+    watched.viewed = {a.untyped_storage().data_ptr() for i, a in enumerate(args)
+                      if i in views and isinstance(a, torch.nn.Parameter) and a.requires_grad}
 
 
 def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:

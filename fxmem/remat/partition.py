@@ -13,6 +13,7 @@ import functools
 import gc
 import hashlib
 import logging
+import operator
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..fallback import stage_failed
 from ..graph.joint import JointGraph, hoist_size_reads
 from ..graph.layouts import mark_copies
-from ..graph.liveness import step_peak
+from ..graph.liveness import is_alias, step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
@@ -60,10 +61,23 @@ class PlannedGraph:
     inner_code: dict[str, str] = field(default_factory=dict)
     # The parameters whose optimizer step its backward runs (``step_in_backward``), in order.
     in_backward: Rewritten = Rewritten(())
+    # The input positions whose gradient the backward returns as a view of another tensor
+    # (:func:`grad_views`): autograd adds another gradient to such a one out of place.
+    grad_views: frozenset[int] = frozenset()
 
     def peak(self) -> int:
         """The simulated step peak at the compiled shape (the report's ``predict_peak()``)."""
         return step_peak(self.split.fw, self.split.bw, self.sizes, self.primal_names)
+
+
+def grad_views(joint: JointGraph) -> frozenset[int]:
+    """The input positions whose gradient the backward returns as a view of another tensor (a
+    weight's ``mm(...).t()``), where the graph runs op by op (the eager inner compiler; Inductor
+    returns buffers of its own): the step's eager code adds another gradient of that parameter
+    (an eager embedding tied to the head) out of place, not in place
+    (``report.memory.eager_grad_rows``)."""
+    return frozenset(i for i, o in enumerate(joint.bwd_outputs)
+                     if isinstance(o, fx.Node) and o.target is not operator.getitem and is_alias(o))
 
 
 def joint_graph(gm: fx.GraphModule, num_fwd_outputs: int, settings: PlanSettings) -> JointGraph:
@@ -221,7 +235,8 @@ class Partitioner(CustomPartitionerFn):
                   len(result.saved), len(result.recomputed))
         stepped = rewrite(result.fw, result.bw, self.in_backward, in_order=settings.target.exact_peak)
         fw, bw = settings.target.finish(result, settings.memory_first)
-        self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names()), in_backward=stepped))
+        self.planned.append(PlannedGraph(chosen, result, sizes, frozenset(joint.input_names()), in_backward=stepped,
+                                         grad_views=grad_views(joint) if settings.target.exact_peak else frozenset()))
         return fw, bw
 
     def _safe(self, gm: fx.GraphModule, num_fwd_outputs: int):
