@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import time
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping
@@ -53,7 +55,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
                        requested=as_requested(options), plan_shape=plan_shape)
     log.debug("fxmem: compiling a graph of %d nodes (level %d, inner %s)", len(gm.graph.nodes), opts.level, opts.inner)
     settings = PlanSettings.of(opts, fit_budget=fit.peak_budget(opts, state),  # the planner's, "fit" derived
-                               plan_shape=plan_shape)
+                               plan_shape=plan_shape, continued=continued(gm))
     with _stage("per-example"):
         chunked = per_example.PerExampleStage(comp)(gm, example_inputs)          # per-example regions
     if chunked is not None:
@@ -70,6 +72,50 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: list[Any],
     with _stage("record"):
         publish(comp, planned, lowered)                                           # record
     return Compiled(compiled, comp)
+
+
+def continued(gm: fx.GraphModule) -> bool:
+    """Whether the step goes on after ``gm``'s forward: Dynamo compiled it at a graph break (its
+    frame goes on; ``GraphCompileReason``, which Dynamo sets on the graph it hands a backend), or
+    its frame was called by code still running under the compiled callable (a submodule whose
+    caller Dynamo left to eager, a resume function), not by the compiled callable itself."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if getattr(reason, "graph_break", False):
+        return True
+    stack = getattr(reason, "user_stack", None) or [None]
+    name = getattr(stack[-1], "name", "")
+    # a resume function (the code after a break) is called by its frame's code as ``return resume(...)``
+    return _called_from_running_code(skip=int("resume_in_" in name or name.startswith("__resume_at")))
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+_STDLIB_DIR = os.path.dirname(os.__file__)
+_ENTRY_FILE = os.path.join("_dynamo", "eval_frame.py")  # the compiled callable's wrapper
+
+
+def _stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB_DIR) and not any(d in filename for d in ("site-packages", "dist-packages"))
+
+
+def _called_from_running_code(skip: int = 0) -> bool:
+    """Whether, between Dynamo's frame conversion (this call's callers) and the compiled callable's
+    entry (``eval_frame``'s wrapper), a frame of code other than torch's, fxmem's or the standard
+    library's is running, past the first ``skip`` of them: the caller of the frame Dynamo
+    compiles, which goes on after it."""
+    f, dynamo = sys._getframe(1), False  # the backend's own callers first: up to Dynamo's call of it
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_TORCH_DIR):
+            dynamo = True
+            if name.endswith(_ENTRY_FILE) and f.f_code.co_name in ("compile_wrapper", "_fn"):
+                return False
+        elif dynamo and not (name.startswith(_OWN_DIR) or name.startswith("<") or _stdlib(name)):
+            if not skip:
+                return True
+            skip -= 1
+        f = f.f_back
+    return False
 
 
 def _compile(gm: fx.GraphModule, decision: Decision, example_inputs: list[Any], inner_name: str,

@@ -188,3 +188,49 @@ def test_switch_transformers_level1_is_predicted_and_below_hf_checkpointing():
         with step_perf("cpu") as perf:
             eager_step(hf, w)
     assert c.peak_bytes <= perf.result.peak_bytes, (c.peak_bytes, perf.result.peak_bytes)
+
+
+def test_a_graph_knows_whether_the_step_goes_on_after_it():
+    """``backend.continued``: a graph compiled at a graph break, or whose frame eager code still
+    running called (a layer after the loop's break), has more of the step after it; a whole model
+    compiled at its frame's return (its loss computed eagerly after it) does not."""
+    from fxmem.backend import continued
+
+    seen = []
+
+    def spy(gm, example_inputs):
+        seen.append(continued(gm))
+        return gm.forward
+
+    class Whole(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    class Looped(Whole):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Whole() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                if torch.rand([]) < 0.0:  # a break in the loop: Dynamo runs this frame eagerly
+                    continue
+                x = layer(x)
+            return x
+
+    class Broken(Whole):
+        def forward(self, x):
+            x = self.lin(x)
+            torch._dynamo.graph_break()
+            return x.relu()
+
+    x = torch.randn(2, 8)
+    for model, want in ((Whole(), [False]), (Looped(), [True, True]), (Broken(), [True, False])):
+        torch._dynamo.reset()
+        seen.clear()
+        torch.compile(model, backend=spy)(x)
+        assert seen == want, (type(model).__name__, seen)

@@ -206,22 +206,18 @@ def candidates(ctx: PlanContext, saved0: list[fx.Node], recomp: set[fx.Node], p:
 def least_peak(ctx: PlanContext, saved0: list[fx.Node], recomputable: set[fx.Node], keep: set[fx.Node],
                problem: Callable[[frozenset], CutProblem], layerwise: list[list[fx.Node]] = (),
                fewest_bytes: bool = False, tie: Callable[[Candidate], int] | None = None,
-               ) -> tuple[Candidate, list[Candidate], str, set[fx.Node]]:
+               continued: bool = False) -> tuple[Candidate, list[Candidate], str, set[fx.Node]]:
     """A level's plan where its own does not lower the peak: among the :func:`candidates`, the
     least recompute of those whose simulated peak is the least (``SLACK`` allowed), so that
     recompute that lowers nothing is not paid for; with ``fewest_bytes`` (a graph that is one part
-    of a step), the fewest kept bytes (then the least peak) among the plans :func:`in_a_step`
-    allows (no worse than level 0's in any phase of the step): what a graph keeps is alive while
-    every graph after it runs, forward and backward, its own peak counts once (SwitchTransformers'
-    encoder pieces: 28,544 -> fewer kept bytes at a 2% higher own peak, the step 458,184 ->
-    433,608 bytes, below HF checkpointing's); with ``tie``,
+    of a step), :func:`step_part` of them (``continued``: compiled at a graph break); with ``tie``,
     the least ``tie`` among them first (a second peak model). Returns
     (that plan, every candidate scored with ``saved0``'s first, how they are named, the
     recomputable set less ``keep``: a chosen plan's recomputable set is that and what the plan
     recomputes)."""
     recomp = recomputable - keep
     scored, how = candidates(ctx, saved0, recomp, problem(frozenset(recomp)), layerwise)
-    chosen = min(in_a_step(ctx, scored), key=_fewest_bytes) if fewest_bytes else \
+    chosen = step_part(ctx, scored, continued) if fewest_bytes else \
         _cheapest_under(scored, int(min(c.peak for c in scored) * (1 + SLACK)), tie)
     return chosen, scored, how, recomp
 
@@ -277,7 +273,7 @@ def within_budget(ctx: PlanContext, settings: PlanSettings, saved0: list[fx.Node
         # the fewest bytes a cap is met with: any plan (bytes), or one at the least peak (a fraction)
         met = least if isinstance(budget, int) else min(c.nbytes for c in scored if c.peak <= lowest.peak * (1 + SLACK))
         if isinstance(budget, float) and budget == 0.0:
-            chosen = min(in_a_step(ctx, scored), key=_fewest_bytes) if ctx.partial else lowest
+            chosen = step_part(ctx, scored, settings.continued) if ctx.partial else lowest
         elif chosen is None or isinstance(budget, float) and chosen.peak > ceiling * (1 + SLACK):
             # no plan within the cap, or (a fraction: a knob along the plans, monotone in the
             # peak) only plans that peak higher than a higher fraction's
@@ -329,6 +325,18 @@ def least_with_offload(ctx: PlanContext, settings: PlanSettings, saved0: list[fx
     what = f"level {settings.level} with offload (the least peak, then the least modelled time)"
     return _chosen(ctx, settings, replace(chosen, peak=peak), moved, what, saved_bytes(p, saved0), how, recomp,
                    notes)
+
+
+def step_part(ctx: PlanContext, scored: list[Candidate], continued: bool) -> Candidate:
+    """The plan of a graph that is one part of a step: of those :func:`in_a_step` allows (no worse
+    than level 0's in any phase of the step), where Dynamo compiled it at a graph break
+    (``continued``: its frame goes on, so more of the step runs while what it keeps is alive,
+    forward and backward, and its own peak counts once), the fewest kept bytes, then the least
+    peak (SwitchTransformers' encoder pieces: the step 458,184 -> 433,608 bytes, below HF
+    checkpointing's); else (compiled at its frame's return: what runs after it may be only a
+    loss) the least peak, then the fewest bytes (a diffusers UNet whose loss runs eagerly:
+    fewest bytes first peaked 1.10x)."""
+    return min(in_a_step(ctx, scored), key=_fewest_bytes if continued else _least_peak)
 
 
 def in_a_step(ctx: PlanContext, scored: list[Candidate]) -> list[Candidate]:

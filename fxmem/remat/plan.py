@@ -199,15 +199,13 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     least simulated peak (as ``memory_budget=0.0`` would, but the least recompute at that peak):
     level 0's where nothing peaks lower. Layer boundaries are a heuristic; the simulated peak
     judges it. A graph that is one part of a step (no loss in it) takes ``memory_budget=0.0``'s
-    plan (the fewest bytes of the plans no worse than level 0's in the step, then the least
-    peak); one for an inner compiler whose peak the simulator does not model exactly
+    plan (``budget.step_part``); one for an inner compiler whose peak the simulator does not model exactly
     (``Target.exact_peak``) ranks the plans at the least peak with its fusion modeled
     (``StepPeak.fused``)."""
     saved, lam, final = own
     # A graph that returns no scalar to differentiate (a loss) passes its outputs on to more of
     # the step (Dynamo split the step at a graph break): what it keeps is alive while the rest
-    # runs, which its own simulated peak does not see, so it keeps the fewest bytes of the plans no
-    # worse than level 0's in any phase of the step (``budget.in_a_step``).
+    # runs, which its own simulated peak does not see (``budget.step_part``).
     partial = ctx.partial
     # An inner compiler that fuses ops the simulator allocates (Inductor): plans tied at the
     # least simulated peak (its backward's peak in ops every plan runs alike) are ranked with
@@ -215,9 +213,11 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
     fused = not partial and not ctx.target.exact_peak
     chosen, scored, how, recomp = least_peak(ctx, level0, recomputable, must_save, problem,
                                              _layerwise(ctx, must_save, problem), fewest_bytes=partial,
+                                             continued=settings.continued,
                                              tie=(lambda c: ctx.peak.fused(c.saved)) if fused else None)
     first = scored[0]
-    which = ("the plan of fewest kept bytes no worse than level 0's in the step's phases" if partial else
+    fewest = partial and settings.continued
+    which = ("the plan of fewest kept bytes no worse than level 0's in the step's phases" if fewest else
              "the plan of least simulated peak" + (
                  f" (of those, the least peak with {ctx.target.name}'s fusion modeled, then the least recompute)"
                  if fused else ""))
@@ -238,7 +238,8 @@ def _least_peak(ctx: PlanContext, settings: PlanSettings, level0: list[fx.Node],
         why = "no repeated layers found in the graph" if not ctx.layer else \
             "its plan's simulated peak is not below level 0's"
     # (a tie ranked by fusion: the level's own plan comes first, so another was ranked lower)
-    better = ((chosen.nbytes, chosen.peak) < (first.nbytes, first.peak) if partial
+    better = ((chosen.nbytes, chosen.peak) < (first.nbytes, first.peak) if fewest
+              else (chosen.peak, chosen.nbytes) < (first.peak, first.nbytes) if partial
               else chosen.saved != first.saved if fused else chosen.peak < first.peak)
     if chosen.saved == first.saved or not better:
         notes.append(f"{level}: {why}; using level 0's plan (no plan among {how} peaks lower)")

@@ -74,19 +74,24 @@ class PlanSettings:
     # graph inputs whose gradient the optimizer takes where it is made (``step_in_backward``)
     in_backward: frozenset[int] = frozenset()
     offload: bool = False  # saved values may go to host memory (``remat.offload``)
+    # Dynamo compiled the graph at a graph break: its frame goes on after it, so more of the step
+    # runs while what it keeps is alive (``GraphCompileReason.graph_break``; not at a frame's return)
+    continued: bool = False
 
     @classmethod
     def of(cls, options: Options, *, inner: str | None = None, budgets: bool = True,
-           fit_budget: int | None = None, plan_shape: Mapping[str, tuple[int, ...]] | None = None) -> "PlanSettings":
+           fit_budget: int | None = None, plan_shape: Mapping[str, tuple[int, ...]] | None = None,
+           continued: bool = False) -> "PlanSettings":
         """``options``' settings; ``inner`` where a stage plans for another target;
         ``budgets=False`` leaves the budgets out (a per-example chunk graph); ``fit_budget``: the
         ``peak_budget`` that the ``fit`` option leaves for this graph (:func:`fxmem.fit.peak_budget`);
-        ``plan_shape``: ``options.plan_shape`` in the graph's input names (``graph.sizes.check_plan_shape``)."""
+        ``plan_shape``: ``options.plan_shape`` in the graph's input names (``graph.sizes.check_plan_shape``);
+        ``continued``: the graph was compiled at a graph break (``backend.continued``)."""
         peak = fit_budget if options.fit is not None else options.peak_budget
         shape = options.plan_shape if plan_shape is None else plan_shape
         return cls(options.level, options.config, options.memory_budget if budgets else None,
                    peak if budgets else None, options.strict, shape, TARGETS[inner or options.inner],
-                   offload=options.offload and budgets)
+                   offload=options.offload and budgets, continued=continued)
 
     @property
     def budgeted(self) -> bool:
@@ -101,4 +106,4 @@ class PlanSettings:
         """A stable string of every setting: goes into Inductor's cache key."""
         return repr((self.level, self.config, self.memory_budget, self.peak_budget, self.strict,
                      None if self.plan_shape is None else sorted(self.plan_shape.items()), self.target.name,
-                     sorted(self.in_backward), self.offload))
+                     sorted(self.in_backward), self.offload, self.continued))
