@@ -12,7 +12,8 @@ def kept_on_device():
     """Compiles inside the block keep every value their plan offloads on the device: the split
     is told to offload none, so the plan (what is kept and recomputed) is the same."""
     real = partition.split
-    partition.split = lambda joint, saved, input_views=True, offloaded=(): real(joint, saved, input_views)
+    partition.split = lambda joint, saved, input_views=True, offloaded=(), **kwargs: real(joint, saved, input_views,
+                                                                                        **kwargs)
     try:
         yield
     finally:
