@@ -122,8 +122,9 @@ class Outputs:
     # this run's inputs makes in its backward (:func:`_eager_saved`)
     eager_grads: list[tuple[int, int]] = field(default_factory=list)
     # the parameters (storage addresses) whose gradient this run's backward returns as a view of
-    # another tensor (a weight's ``mm(...).t()``: ``PlannedGraph.grad_views``): autograd adds
-    # another gradient to it out of place
+    # another tensor (a weight's ``mm(...).t()``: ``PlannedGraph.grad_views``, read at compile time:
+    # a post-hook on the backward would keep its incoming gradients alive): autograd adds another
+    # gradient to it out of place
     viewed: set[int] = field(default_factory=set)
 
     def shares(self) -> list[list]:
@@ -157,7 +158,9 @@ _RUNS = [0]  # forward runs so far
 _LAST_BACKWARD: list[int | None] = [None]  # the forward run whose backward ran last
 
 
-def _outputs(outs: tuple, args: tuple) -> Outputs:
+def _outputs(outs: tuple, args: tuple, views: frozenset[int] = frozenset()) -> Outputs:
+    """``views``: the input positions whose gradient the graph's backward returns as a view
+    (``PlannedGraph.grad_views``)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     if _WATCHED.dying:  # a new step: the last step's backward is over
@@ -178,9 +181,12 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
             refs.setdefault(r.cdata, (t.untyped_storage().nbytes(), r, None))
     watched = {r.cdata for o in _WATCHED.open for r in o.refs if r is not None and not r.expired()}
     params: dict[int, tuple[int, bool]] = {}
+    viewed: set[int] = set()
     for i, a in enumerate(args):
         if isinstance(a, torch.nn.Parameter):
-            params[a.untyped_storage().data_ptr()] = (a.untyped_storage().nbytes(), a.requires_grad)
+            params[ptr := a.untyped_storage().data_ptr()] = (a.untyped_storage().nbytes(), a.requires_grad)
+            if i in views and a.requires_grad:
+                viewed.add(ptr)
         if isinstance(a, torch.Tensor) and (r := key(a)) is not None:
             refs.pop(r.cdata, None)  # an input (or a view of one) returned: not made by this run
             if a.grad_fn is not None and r.cdata not in watched and not isinstance(a, torch.nn.Parameter):
@@ -198,7 +204,7 @@ def _outputs(outs: tuple, args: tuple) -> Outputs:
     _RUNS[0] += 1
     values = list(refs.values())
     return Outputs([b for b, _, _ in values], [r for _, r, _ in values], [None] * len(values), _RUNS[0],
-                   [k for _, _, k in values], params=params, eager_grads=grads)
+                   [k for _, _, k in values], params=params, eager_grads=grads, viewed=viewed)
 
 
 @functools.cache
@@ -283,7 +289,7 @@ def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
     if fn is None:
         return
     ref = weakref.ref(c)
-    watched = _outputs(tuple(outs), args)
+    watched = _outputs(tuple(outs), args, c.graphs[-1].grad_views if c.graphs else frozenset())
     _watch(watched.run)  # those this run consumed and freed outlived it
     if any(watched.refs):
         _WATCHED.open.append(watched)
@@ -291,11 +297,6 @@ def _log_step(c: Compilation, out: Any, args: tuple = ()) -> None:
             _WATCHED.open.pop(0).refs = []
     _CALLS.append((ref, _FORWARD, watched))
     fn.register_prehook(lambda grads: _backward(ref, watched.run))
-    # the parameters whose gradient the backward returns as a view (no hook on the backward: a
-    # post-hook would keep its incoming gradients alive until it ran)
-    views = c.graphs[-1].grad_views if c.graphs else frozenset()
-    watched.viewed = {a.untyped_storage().data_ptr() for i, a in enumerate(args)
-                      if i in views and isinstance(a, torch.nn.Parameter) and a.requires_grad}
 
 
 def _backward(ref: "weakref.ref[Compilation]", run: int) -> None:
