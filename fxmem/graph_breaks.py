@@ -30,6 +30,13 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
   process (an Autoformer step: 8 compiles, then the decoder eager). fxmem has Dynamo skip the
   wrapper's own frame (it only renames keyword arguments) and compile the method it calls,
   a code object per method (:func:`_skip_shared_wrappers`); calls Dynamo inlines are unchanged.
+- transformers' Autoformer aggregates ``k`` rolled copies of the values in training with
+  ``roll(shifts=-int(top_k_delays_index[i]))``: ``int()`` of a tensor is a graph break inside
+  the loop, so Dynamo ran the attention's whole ``forward`` eagerly, keeping every copy for the
+  backward where fxmem could recompute none (level 1: 2.27x HF checkpointing's peak). fxmem has
+  Dynamo trace that ``forward`` with ``capture_scalar_outputs`` (:func:`_traced_delays`: the
+  delay an unbacked integer, as the user's own ``torch._dynamo.config.capture_scalar_outputs =
+  True`` would, for that method alone: other models' ``.item()`` calls still break the graph).
 - :func:`breaks_since` tells what broke a step's graph, for ``fxmem.explain`` and ``clipped_grad``.
 """
 
@@ -174,7 +181,24 @@ def scan_loop_max(env: Mapping[str, str] | None = None) -> int:
     return parse_scan_loop_max(env_value(ENV_SCAN_LOOP_MAX, env))
 
 
-_STAND_INS = {_CAPTURING: _output_hooks, **{name: _eager_scan for name in _SCANS},
+_AUTOFORMER = "transformers.models.autoformer.modeling_autoformer"
+
+
+def _traced_delays(modeling) -> None:
+    """Have Dynamo trace ``AutoformerAttention.forward`` with ``capture_scalar_outputs`` on
+    (``torch._dynamo.patch_dynamo_config``, a context Dynamo applies while it traces the method:
+    ``int()`` of the delay gives an unbacked integer instead of a graph break). Eager calls run
+    the method unchanged."""
+    attention = getattr(modeling, "AutoformerAttention", None)
+    patch = getattr(torch._dynamo, "patch_dynamo_config", None)
+    if attention is None or patch is None or getattr(attention.forward, _MARK, False):
+        return
+    forward = patch(capture_scalar_outputs=True)(attention.forward)
+    setattr(forward, _MARK, True)
+    attention.forward = forward
+
+
+_STAND_INS = {_CAPTURING: _output_hooks, _AUTOFORMER: _traced_delays, **{name: _eager_scan for name in _SCANS},
               **{name: lambda _: _skip_shared_wrappers() for name, _ in _SHARED_WRAPPERS}}
 _MARK = "__fxmem_stand_in__"  # set on a function given a stand-in: Dynamo refuses a second registration
 

@@ -72,6 +72,13 @@ def is_view(node: fx.Node) -> bool:
     return getattr(node.target, "overloadpacket", None) in _VIEWS
 
 
+def is_copy(node: fx.Node) -> bool:
+    """Whether ``node`` only moves data into a buffer of its own (a roll, a repeat, a gather):
+    running it a second time costs one copy (``split.run_twice``)."""
+    return (node.op == "call_function" and kind(node) == CHEAP
+            and getattr(node.target, "overloadpacket", None) in _COPIES)
+
+
 def kind(node: fx.Node) -> str:
     """CHEAP, HEAVY or NEVER for a call_function node."""
     if node.op != "call_function" or is_random(node) or node.meta.get(READS_MUTATED):

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -188,6 +188,19 @@ def choose(fused: Any, without: Any, cap: int | None = None) -> tuple[Any, str |
     return fused, None
 
 
+def twice(result: Split, sizes: SymbolicSizes, inputs: frozenset[str], again: Callable[[], Split]) -> Split:
+    """``result``, or the same split whose backward runs its recomputed copy ops a second time
+    (``again()``: ``split(..., twice=True)``, see ``split.run_twice``) where that simulates a lower
+    step peak. The eager inner compiler only: Inductor fuses such a copy (a roll, a repeat) into
+    its readers, and schedules its backward itself (``remat.fences``). Not in the planner's
+    simulator (``StepPeak``): it lowers the chosen plan's backward, never raises it."""
+    other = again()
+    if not any(n.name.endswith("_again") for n in other.bw.graph.nodes):
+        return result
+    return other if step_peak(other.fw, other.bw, sizes, inputs) < step_peak(result.fw, result.bw, sizes, inputs) \
+        else result
+
+
 class Partitioner(CustomPartitionerFn):
     """AOTAutograd ``partition_fn`` and Inductor ``custom_partitioner_fn`` in one object: joint
     graph -> sizes -> the plan's context -> plan -> split -> the target's graphs, each a stage
@@ -228,6 +241,9 @@ class Partitioner(CustomPartitionerFn):
             # the backward's order the simulator found to peak lower (``StepPeak.defers``)
             defer = ctx.peak.defers(chosen.saved, frozenset(chosen.offloaded))
             result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded, defer=defer)
+            if settings.target.exact_peak:
+                result = twice(result, sizes, frozenset(joint.input_names()), lambda: split(
+                    joint, chosen.saved, settings.target.input_views, chosen.offloaded, defer=defer, twice=True))
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)

@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, 
 from ..graph.joint import JointGraph, ancestors, is_multi_output, is_random, is_sym
 from ..graph.module import graph_module
 from ..host_memory import OFFLOAD_TAG, dim_order
-from .allowlist import is_view
+from .allowlist import is_copy, is_view
 from .replay import bind_states
 
 
@@ -77,6 +77,41 @@ def late_order(gm: fx.GraphModule, needed: set[fx.Node], late: set[fx.Node], def
     return order
 
 
+@dataclass(frozen=True)
+class Again:
+    """An entry of a backward's order: ``node`` run a second time (:func:`run_twice`)."""
+    node: fx.Node
+
+
+def run_twice(order: list[fx.Node], late: set[fx.Node]) -> list:
+    """``order`` with each recomputed copy op (:func:`~.allowlist.is_copy`) that both recomputed
+    ops and gradient ops read, all the recomputed ones first, run again (an :class:`Again`) just
+    before its first gradient reader, which reads the second copy. Run once, it lives from the
+    recomputed forward that reads it to the gradient op that reads it last: an aggregation of
+    ``k`` rolled copies of a value (Autoformer's time-delay aggregation, ``sum_i roll(v, d_i) *
+    w_i``) is recomputed in forward order and differentiated in reverse, all ``2k`` copies alive
+    at once. Run twice, each lives only around its readers; the values are the same."""
+    pos = {n: i for i, n in enumerate(order)}
+    before: dict[fx.Node, list[fx.Node]] = {}
+    for n in order:
+        if n not in late or not is_copy(n) or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        readers = [u for u in n.users if u in pos]
+        recomputing = [pos[u] for u in readers if u in late]
+        grads = [u for u in readers if u not in late]
+        if recomputing and grads:
+            first = min(grads, key=pos.__getitem__)
+            if max(recomputing) < pos[first]:
+                before.setdefault(first, []).append(n)
+    if not before:
+        return order
+    out: list = []
+    for n in order:
+        out.extend(Again(a) for a in before.get(n, ()))
+        out.append(n)
+    return out
+
+
 def _host_meta(node: fx.Node) -> dict:
     """``node``'s meta for its copy in host memory: the value on the CPU as ``fxmem::offload``
     makes it, tagged host."""
@@ -88,11 +123,12 @@ def _host_meta(node: fx.Node) -> dict:
 
 def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: list | None,
              late: set[fx.Node] = frozenset(), effects: tuple[fx.Node, ...] = (),
-             host: frozenset[fx.Node] = frozenset(), defer: bool = False) -> fx.GraphModule:
+             host: frozenset[fx.Node] = frozenset(), defer: bool = False, twice: bool = False) -> fx.GraphModule:
     """A graph module taking ``inputs`` (any nodes of ``gm``) and returning ``outputs``, running
     ``effects`` (mutations that reach no output) too. ``host``: outputs returned in host memory
     (``fxmem::offload`` right after the value is made: its device storage dies at its last read
-    here), or inputs taken in host memory (``fxmem::reload`` just before the first read)."""
+    here), or inputs taken in host memory (``fxmem::reload`` just before the first read).
+    ``twice``: :func:`run_twice`'s copies run again (named ``<name>_again``)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     held: dict[fx.Node, fx.Node] = {}  # input -> its host placeholder, until reloaded
@@ -115,7 +151,14 @@ def _extract(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list, descs: li
         return env[n]
 
     needed = ancestors([*outputs, *effects], stop=set(inputs)) - set(inputs)
-    for node in late_order(gm, needed, late, defer):
+    order = late_order(gm, needed, late, defer)
+    for node in run_twice(order, late) if twice else order:
+        if isinstance(node, Again):
+            n = node.node
+            env[n] = graph.create_node(n.op, n.target, fx.map_arg(n.args, value), fx.map_arg(n.kwargs, value),
+                                       name=f"{n.name}_again")
+            env[n].meta = dict(n.meta)
+            continue
         if node.op == "placeholder":
             raise InvalidSavedSet(f"{node.name} is needed but is not an input of this graph")
         env[node] = graph.node_copy(node, value)
@@ -248,13 +291,14 @@ def input_view_bases(joint: JointGraph, saved: set[fx.Node]) -> set[fx.Node]:
 
 
 def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: bool = True,
-          offloaded: Collection[fx.Node] = (), defer: bool = False) -> Split:
+          offloaded: Collection[fx.Node] = (), defer: bool = False, twice: bool = False) -> Split:
     """Forward and backward modules that hand exactly ``saved`` (plus what they must) across.
     ``input_views=False``: views of graph inputs are redone in the backward from the input
     (:func:`input_view_bases`). ``offloaded``: saved values handed over in host memory
     (``fxmem.host_memory``; each must be one the split hands over: a forward op's own storage).
     ``defer``: the backward runs its :func:`deferred` ops just before their first user
-    (:func:`late_order`; ``StepPeak.defers`` says where that peaks lower).
+    (:func:`late_order`; ``StepPeak.defers`` says where that peaks lower). ``twice``: the
+    backward runs :func:`run_twice`'s copy ops a second time (``partition.twice`` says where).
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
@@ -286,6 +330,6 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: b
                   host=host)
     bind_states(fw)
     bw = _extract(joint.gm, [*syms_sorted, *tensors, *joint.tangents], list(joint.bwd_outputs), descs[n_fwd:],
-                  late=set(recomputed), effects=joint.bwd_mutations, host=host, defer=defer)
+                  late=set(recomputed), effects=joint.bwd_mutations, host=host, defer=defer, twice=twice)
     return Split(fw, bw, tuple(tensors), tuple(syms_sorted), tuple(recomputed),
                  tuple(n for n in tensors if n in host))
