@@ -185,15 +185,25 @@ _AUTOFORMER = "transformers.models.autoformer.modeling_autoformer"
 
 
 def _traced_delays(modeling) -> None:
-    """Have Dynamo trace ``AutoformerAttention.forward`` with ``capture_scalar_outputs`` on
-    (``torch._dynamo.patch_dynamo_config``, a context Dynamo applies while it traces the method:
-    ``int()`` of the delay gives an unbacked integer instead of a graph break). Eager calls run
-    the method unchanged."""
+    """Have Dynamo trace ``AutoformerAttention.forward`` with ``capture_scalar_outputs`` on:
+    ``int()`` of the delay gives an unbacked integer instead of a graph break. The method runs
+    inside ``torch._dynamo.patch_dynamo_config(capture_scalar_outputs=True)``, which Dynamo
+    applies while it traces the method and which, where the method runs eagerly (a caller Dynamo
+    skipped), is ``torch._dynamo.config.patch`` around the call: the frames Dynamo compiles under
+    it (the method's own, behind transformers' ``deprecate_kwarg`` wrapper) capture the scalar.
+    The values are the method's own. The class is changed for the process, for any backend,
+    once fxmem has compiled (as the other stand-ins here)."""
     attention = getattr(modeling, "AutoformerAttention", None)
     patch = getattr(torch._dynamo, "patch_dynamo_config", None)
     if attention is None or patch is None or getattr(attention.forward, _MARK, False):
         return
-    forward = patch(capture_scalar_outputs=True)(attention.forward)
+    original = attention.forward
+
+    def forward(self, *args, **kwargs):
+        with patch(capture_scalar_outputs=True):
+            return original(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, original)
     setattr(forward, _MARK, True)
     attention.forward = forward
 

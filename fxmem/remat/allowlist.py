@@ -72,11 +72,15 @@ def is_view(node: fx.Node) -> bool:
     return getattr(node.target, "overloadpacket", None) in _VIEWS
 
 
+# of _COPIES: buffers whose contents are not a function of the op's arguments
+_UNINITIALIZED = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided}
+
+
 def is_copy(node: fx.Node) -> bool:
     """Whether ``node`` only moves data into a buffer of its own (a roll, a repeat, a gather):
-    running it a second time costs one copy (``split.run_twice``)."""
-    return (node.op == "call_function" and kind(node) == CHEAP
-            and getattr(node.target, "overloadpacket", None) in _COPIES)
+    running it a second time costs one copy and gives the same values (``split.run_twice``)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return node.op == "call_function" and kind(node) == CHEAP and packet in _COPIES and packet not in _UNINITIALIZED
 
 
 def kind(node: fx.Node) -> str:

@@ -26,7 +26,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..fallback import stage_failed
 from ..graph.joint import JointGraph, hoist_size_reads
 from ..graph.layouts import mark_copies
-from ..graph.liveness import is_alias, step_peak
+from ..graph.liveness import is_alias, peak, step_peak, step_schedules
+from ..graph.reuse import reuse_dead_buffers
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
@@ -190,15 +191,26 @@ def choose(fused: Any, without: Any, cap: int | None = None) -> tuple[Any, str |
 
 def twice(result: Split, sizes: SymbolicSizes, inputs: frozenset[str], again: Callable[[], Split]) -> Split:
     """``result``, or the same split whose backward runs its recomputed copy ops a second time
-    (``again()``: ``split(..., twice=True)``, see ``split.run_twice``) where that simulates a lower
-    step peak. The eager inner compiler only: Inductor fuses such a copy (a roll, a repeat) into
-    its readers, and schedules its backward itself (``remat.fences``). Not in the planner's
-    simulator (``StepPeak``): it lowers the chosen plan's backward, never raises it."""
-    other = again()
+    (``again()``: ``split(..., twice=True)``, see ``split.run_twice``) where that backward
+    simulates a lower peak, both with their dead buffers reused as the eager inner compiler runs
+    them (``Target.finish``). The eager inner compiler only: Inductor fuses such a copy (a roll, a
+    repeat) into its readers and schedules its backward itself (``remat.fences``). Not in the
+    planner's simulator (``StepPeak``): it lowers the chosen plan's backward, never raises it.
+    All the second copies or none."""
+    try:
+        other = again()
+    except Exception as e:  # noqa: BLE001 - the split as planned
+        log.debug("fxmem split: copy ops run twice: not built (%s: %s)", type(e).__name__, e)
+        return result
     if not any(n.name.endswith("_again") for n in other.bw.graph.nodes):
         return result
-    return other if step_peak(other.fw, other.bw, sizes, inputs) < step_peak(result.fw, result.bw, sizes, inputs) \
-        else result
+    values = {s.name: v for s, v in sizes.values.items()}
+    peaks = []
+    for s in (result, other):
+        reuse_dead_buffers(s.bw)
+        peaks.append(peak(step_schedules(s.fw, s.bw, sizes, inputs)[1], values).peak)
+    log.debug("fxmem split: backward peak %s bytes with copy ops run twice, %s without", peaks[1], peaks[0])
+    return other if peaks[1] < peaks[0] else result
 
 
 class Partitioner(CustomPartitionerFn):
