@@ -37,6 +37,7 @@ value's lifetime across the break, and a pattern (a loss after a model) cannot m
   Dynamo trace that ``forward`` with ``capture_scalar_outputs`` (:func:`_traced_delays`: the
   delay an unbacked integer, as the user's own ``torch._dynamo.config.capture_scalar_outputs =
   True`` would, for that method alone: other models' ``.item()`` calls still break the graph).
+  torch 2.13 only: 2.14.1's Dynamo fails inside on that method with the flag.
 - :func:`breaks_since` tells what broke a step's graph, for ``fxmem.explain`` and ``clipped_grad``.
 """
 
@@ -184,6 +185,12 @@ def scan_loop_max(env: Mapping[str, str] | None = None) -> int:
 _AUTOFORMER = "transformers.models.autoformer.modeling_autoformer"
 
 
+# torch 2.14.1's Dynamo fails inside (``PendingUnbackedSymbolNotFound``, any backend) on the
+# method's ``x[:, top_k_delays_index[i]]`` with ``capture_scalar_outputs``: from there on the
+# method's loop stays a graph break, as without fxmem
+DELAYS_UNTRACEABLE_FROM = (2, 14)
+
+
 def _traced_delays(modeling) -> None:
     """Have Dynamo trace ``AutoformerAttention.forward`` with ``capture_scalar_outputs`` on:
     ``int()`` of the delay gives an unbacked integer instead of a graph break. The method runs
@@ -195,7 +202,8 @@ def _traced_delays(modeling) -> None:
     once fxmem has compiled (as the other stand-ins here)."""
     attention = getattr(modeling, "AutoformerAttention", None)
     patch = getattr(torch._dynamo, "patch_dynamo_config", None)
-    if attention is None or patch is None or getattr(attention.forward, _MARK, False):
+    if (attention is None or patch is None or getattr(attention.forward, _MARK, False)
+            or torch.torch_version.TorchVersion(torch.__version__) >= DELAYS_UNTRACEABLE_FROM):
         return
     original = attention.forward
 

@@ -155,3 +155,33 @@ def test_with_real_tensor_propagation_the_plan_takes_the_sizes_seen(batch):
     notes = [n for n in fxmem.report(compiled).graphs[0].notes if n.startswith("data-dependent size")]
     rows, k = int((batch[:, 0] > 0).sum()), int((batch[:, 1] > 0).sum())
     assert {f"planned at {rows} (seen)", f"planned at {k} (seen)"} <= {n.split(" ", 3)[3] for n in notes}, notes
+
+
+class RolledByItem(nn.Module):
+    """A value rolled by a shift read with ``int()`` (Autoformer's time-delay aggregation): the
+    backward that recomputes the roll takes the shift as a SymInt expression (``-u0``)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.value, self.out = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, delay: torch.Tensor) -> torch.Tensor:
+        v = self.value(x)
+        return self.out(v.roll(shifts=-int(delay[0]), dims=1) * v.sigmoid()).square().mean()
+
+
+@pytest.mark.inductor
+def test_inductor_binds_an_unbacked_symbol_handed_over_as_an_expression():
+    """Inductor binds ``u0`` in the backward only from an input that is ``u0`` itself: the split
+    hands over the SymInt that made it beside ``-u0`` (``split.handoff``; it failed with
+    ``NameError: name 'u0' is not defined`` in the backward's code)."""
+    torch.manual_seed(0)
+    model, x, delay = RolledByItem(), torch.randn(2, 12, 8), torch.tensor([5])
+    ref = copy.deepcopy(model)
+    ref(x, delay).backward()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(model, backend="fxmem", options={"inner": "inductor", "level": 1})
+        compiled(x, delay).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

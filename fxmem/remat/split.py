@@ -261,7 +261,9 @@ def handoff(joint: JointGraph, saved: set[fx.Node], order: dict[fx.Node, int],
     # Inductor needs every symbol in a backward input's shape bound by a SymInt input.
     bindings = find_symbol_binding_fx_nodes(joint.gm.graph) if bindings is None else bindings
     symbols = symbols or (lambda n: free_symbols(n.meta.get("val")))
-    for n in [*tensors, *joint.tangents]:
+    # A SymInt handed over as an expression (``-u0``, a roll's shift) too: Inductor binds ``u0``
+    # only from an input that is ``u0`` itself.
+    for n in [*tensors, *joint.tangents, *sorted(syms, key=order.__getitem__)]:
         for s in symbols(n):
             if s in bindings and bindings[s] not in joint.backward:
                 syms.add(bindings[s])
