@@ -5,7 +5,7 @@ weight repeated to the values' shape. A backward that recomputes it rebuilds the
 order (the output projection's weight gradient reads it) and differentiates it in reverse, so
 run once, all ``2k`` copies are alive together. Run again just before their gradient reads
 them, each copy lives only around its readers: the same values, the same gradients, a lower
-peak (``partition.twice`` keeps the split whose simulated peak is lower; eager inner compiler).
+peak (``StepPeak.twice``: where the simulated backward is lower; eager inner compiler).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import fxmem
-import fxmem.remat.partition as partition
 from fxmem.profiling import step_perf
+from fxmem.remat.steppeak import StepPeak
 
 
 class DelayAggregation(nn.Module):
@@ -53,6 +53,11 @@ def _steps(options, autocast: bool = False):
     return perf.result.peak_bytes, loss.detach(), grads, (fxmem.report(fn) if options is not None else None)
 
 
+def _once(monkeypatch):
+    """The step simulator without second copies: no plan runs any."""
+    monkeypatch.setattr(StepPeak, "_twice", lambda self, body, late: None)
+
+
 def _again(report) -> int:
     return sum(n.endswith("_again") for g in report.step_graphs() for kind, n, _ in g.backward if kind == "alloc")
 
@@ -72,7 +77,7 @@ def test_copies_run_twice_keep_the_gradients_and_lower_the_peak(level, monkeypat
     assert _again(report) == 12  # each of the six rolls and six repeats
     assert abs(report.predict_peak() - peak) <= 128, (report.predict_peak(), peak)  # a scalar or two
     with monkeypatch.context() as m:
-        m.setattr(partition, "twice", lambda result, *_: result)
+        _once(m)
         peak_once, _, grads_once, report_once = _steps({"inner": "eager", "level": level})
     _equal(grads_once, grads_e)
     assert _again(report_once) == 0
@@ -90,7 +95,7 @@ def test_copies_run_twice_under_autocast(monkeypatch):
     _equal(grads, grads_e)
     assert _again(report) == 12
     with monkeypatch.context() as m:
-        m.setattr(partition, "twice", lambda result, *_: result)
+        _once(m)
         peak_once, _, _, report_once = _steps({"inner": "eager", "level": 1}, autocast=True)
     assert peak < peak_once and report.predict_peak() < report_once.predict_peak(), (peak, peak_once)
 
@@ -135,3 +140,30 @@ def _steps_compiled(backend: str):
     loss = fn(x, target)
     loss.backward()
     return None, loss.detach(), {n: p.grad for n, p in fn._orig_mod.named_parameters()}, None
+
+
+def test_the_simulator_peaks_as_the_split_with_second_copies_runs():
+    """``StepPeak`` of the plan's saved set is the peak of ``split(..., twice=True)``'s graphs with
+    their dead buffers reused (what the eager inner compiler runs), and below the split without
+    second copies: the planner chooses with the backward that runs."""
+    from fxmem.graph.liveness import step_peak
+    from fxmem.graph.reuse import reuse_dead_buffers
+    from fxmem.remat.settings import PlanSettings
+    from fxmem.remat.split import split
+
+    torch.manual_seed(0)
+    model, x, target = DelayAggregation(), torch.randn(4, 64, 16), torch.randn(4, 64, 16)
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1})
+    fn(x, target).backward()
+    (graph,) = [g for c in fxmem.compilations(fn) for g in c.graphs]
+    joint, saved = graph.plan.problem.joint, list(graph.plan.saved)
+    fast = StepPeak(joint, graph.sizes, PlanSettings.of(fxmem.compilations(fn)[0].options).target)
+    assert fast.twice(saved)
+    peaks = []
+    for twice in (True, False):
+        s = split(joint, saved, defer=fast.defers(saved), twice=twice)
+        reuse_dead_buffers(s.fw)
+        reuse_dead_buffers(s.bw)
+        peaks.append(step_peak(s.fw, s.bw, graph.sizes, joint.input_names()))
+    assert fast(saved) == peaks[0] < peaks[1], peaks

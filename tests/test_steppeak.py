@@ -22,8 +22,8 @@ from fxmem.remat.steppeak import StepPeak
 from fxmem.testing.zoo import zoo_build
 
 
-def _reference(joint, saved, sizes, options, defer: bool = False) -> int:
-    s = split(joint, saved, defer=defer)
+def _reference(joint, saved, sizes, options, defer: bool = False, twice: bool = False) -> int:
+    s = split(joint, saved, defer=defer, twice=twice)
     if options.inner == "eager":
         reuse_dead_buffers(s.fw)
         reuse_dead_buffers(s.bw)
@@ -78,7 +78,7 @@ def test_step_peak_equals_the_split_graphs_peak(case):
         fast = StepPeak(p.joint, graph.sizes, PlanSettings.of(opts).target)
         for saved in [list(graph.plan.saved), *_saved_sets(p, rng)]:
             try:
-                want = _reference(p.joint, saved, graph.sizes, opts, fast.defers(saved))
+                want = _reference(p.joint, saved, graph.sizes, opts, fast.defers(saved), fast.twice(saved))
             except InvalidSavedSet:  # would recompute a random op that does not replay
                 continue
             assert fast(saved) == want, f"{case}: {len(saved)} saved"

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -26,8 +26,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from ..fallback import stage_failed
 from ..graph.joint import JointGraph, hoist_size_reads
 from ..graph.layouts import mark_copies
-from ..graph.liveness import is_alias, peak, step_peak, step_schedules
-from ..graph.reuse import reuse_dead_buffers
+from ..graph.liveness import is_alias, step_peak
 from ..graph.sizes import SymbolicSizes
 from ..lowering.splice import Compared, has_marks, unmark
 from ..options import Options
@@ -189,30 +188,6 @@ def choose(fused: Any, without: Any, cap: int | None = None) -> tuple[Any, str |
     return fused, None
 
 
-def twice(result: Split, sizes: SymbolicSizes, inputs: frozenset[str], again: Callable[[], Split]) -> Split:
-    """``result``, or the same split whose backward runs its recomputed copy ops a second time
-    (``again()``: ``split(..., twice=True)``, see ``split.run_twice``) where that backward
-    simulates a lower peak, both with their dead buffers reused as the eager inner compiler runs
-    them (``Target.finish``). The eager inner compiler only: Inductor fuses such a copy (a roll, a
-    repeat) into its readers and schedules its backward itself (``remat.fences``). Not in the
-    planner's simulator (``StepPeak``): it lowers the chosen plan's backward, never raises it.
-    All the second copies or none."""
-    try:
-        other = again()
-    except Exception as e:  # noqa: BLE001 - the split as planned
-        log.debug("fxmem split: copy ops run twice: not built (%s: %s)", type(e).__name__, e)
-        return result
-    if not any(n.name.endswith("_again") for n in other.bw.graph.nodes):
-        return result
-    values = {s.name: v for s, v in sizes.values.items()}
-    peaks = []
-    for s in (result, other):
-        reuse_dead_buffers(s.bw)
-        peaks.append(peak(step_schedules(s.fw, s.bw, sizes, inputs)[1], values).peak)
-    log.debug("fxmem split: backward peak %s bytes with copy ops run twice, %s without", peaks[1], peaks[0])
-    return other if peaks[1] < peaks[0] else result
-
-
 class Partitioner(CustomPartitionerFn):
     """AOTAutograd ``partition_fn`` and Inductor ``custom_partitioner_fn`` in one object: joint
     graph -> sizes -> the plan's context -> plan -> split -> the target's graphs, each a stage
@@ -251,11 +226,11 @@ class Partitioner(CustomPartitionerFn):
                   chosen.level, len(chosen.saved), chosen.saved_bytes)
         try:
             # the backward's order the simulator found to peak lower (``StepPeak.defers``)
+            # and whether it runs its recomputed copy ops twice (``StepPeak.twice``)
             defer = ctx.peak.defers(chosen.saved, frozenset(chosen.offloaded))
-            result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded, defer=defer)
-            if settings.target.exact_peak:
-                result = twice(result, sizes, frozenset(joint.input_names()), lambda: split(
-                    joint, chosen.saved, settings.target.input_views, chosen.offloaded, defer=defer, twice=True))
+            twice = ctx.peak.twice(chosen.saved, frozenset(chosen.offloaded))
+            result = split(joint, chosen.saved, settings.target.input_views, chosen.offloaded, defer=defer,
+                           twice=twice)
         except Exception as e:  # noqa: BLE001
             stage_failed("split", e, settings)
             return self._safe(gm, num_fwd_outputs)

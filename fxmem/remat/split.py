@@ -300,7 +300,7 @@ def split(joint: JointGraph, saved: list[fx.Node] | set[fx.Node], input_views: b
     (``fxmem.host_memory``; each must be one the split hands over: a forward op's own storage).
     ``defer``: the backward runs its :func:`deferred` ops just before their first user
     (:func:`late_order`; ``StepPeak.defers`` says where that peaks lower). ``twice``: the
-    backward runs :func:`run_twice`'s copy ops a second time (``partition.twice`` says where).
+    backward runs :func:`run_twice`'s copy ops a second time (``StepPeak.twice`` says where).
 
     ``saved`` may hold any forward-side nodes (not tangent-dependent). Graph inputs and SymInts
     that the backward needs are kept automatically (inputs are alive anyway; SymInts are tiny).
