@@ -64,7 +64,10 @@ def _inputs():
 
 
 def _in_graph_order(monkeypatch):
+    """The backward in graph order as it was before ``split.deferred``: no deferred ops, and no
+    second copies (``split.run_twice``) that the simulator might pick for the plan instead."""
     monkeypatch.setattr(StepPeak, "defers", lambda self, saved, offloaded=frozenset(): False)
+    monkeypatch.setattr(StepPeak, "_twice", lambda self, body, late: None)
 
 
 def _keeps_nothing(monkeypatch):
