@@ -11,6 +11,7 @@ once per node. ``tests/test_steppeak.py`` checks that it equals the split's on t
 
 from __future__ import annotations
 
+from collections import ChainMap
 from functools import partial
 
 import torch.fx as fx
@@ -46,7 +47,7 @@ class _Overlay:
     """``NodeFacts`` of a backward whose readers after a second copy read that copy."""
 
     def __init__(self, base: NodeFacts, reads: dict, source: dict):
-        self.reads, self.source = {**base.reads, **reads}, {**base.source, **source}
+        self.reads, self.source = ChainMap(reads, base.reads), ChainMap(source, base.source)  # no copy per walk
         self.early, self.several, self.getitems = base.early, base.several, base.getitems
         self.replays, self.host = base.replays, base.host
 
