@@ -15,7 +15,11 @@ the bytes live at its entry, i.e. the peak of the step's own allocations (never 
 - CPU: the block runs under ``torch.profiler`` with ``profile_memory=True``; the allocator's
   ``"[memory]"`` events (+nbytes on allocation, -nbytes on free, exact requested sizes) summed in
   time order give live bytes. RSS is useless for this (glibc keeps freed memory). The profiler
-  slows the block down; pass ``memory=False`` to time it without the profiler.
+  slows the block down; pass ``memory=False`` to time it without the profiler. Free the last
+  step's tensors before the block: torch keeps the size of every block allocated under a profiler
+  until a profiler sees it freed, so a tensor made outside any profiler at the address of one
+  that died outside a profiler is reported at that stale size when the block frees it, and hides
+  that much of the peak (which depends on what ran earlier in the process).
 - CUDA: allocator statistics (``max_memory_allocated`` after ``reset_peak_memory_stats``).
 """
 

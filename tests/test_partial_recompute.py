@@ -47,7 +47,10 @@ def _step(model, x, gy, options=None):
     torch._dynamo.reset()  # each compile plans anew (Dynamo would reuse the last one's code)
     fn = model if options is None else torch.compile(model, backend="fxmem", options={"inner": "eager", **options})
     for _ in range(2):  # the second step is measured: no compile, same allocations
+        # The last step's tensors die here, not inside the measured step: its input was made outside
+        # the profiler and freeing it under the profiler can count a stale size (fxmem.profiling).
         model.zero_grad(set_to_none=True)
+        y = xi = None
         xi = x.detach().clone().requires_grad_()
         with step_perf("cpu") as perf:
             y = fn(xi)
@@ -93,7 +96,7 @@ def test_level0s_backward_defers_the_tangents_matmul(monkeypatch):
         _, g_before, peak_before, graph_before = _step(model, x, gy, {"level": 1})
     _check_grads(g_before, g_e)
     assert graph.saved_bytes == graph_before.saved_bytes > 0  # the same plan: level 0's
-    assert peak < peak_before, (peak, peak_before)  # 279,936 bytes, was 303,104
+    assert peak < peak_before, (peak, peak_before)  # 345,472 bytes, was 368,640
 
 
 def test_the_plan_that_keeps_nothing_peaks_about_as_level0_did(monkeypatch):
@@ -111,7 +114,7 @@ def test_the_plan_that_keeps_nothing_peaks_about_as_level0_did(monkeypatch):
         _, g_before, peak_before, _ = _step(model, x, gy, {"level": 1, "memory_budget": 0.0})
         _, _, peak0_before, _ = _step(model, x, gy, {"level": 0})
     _check_grads(g_before, g_e)
-    assert peak < peak_before - TOKENS * 2 * D * 4 * 9 // 10, (peak, peak_before)  # 304,256 bytes, was 369,664
+    assert peak < peak_before - TOKENS * 2 * D * 4 * 9 // 10, (peak, peak_before)  # 369,792 bytes, was 435,200
     assert peak <= peak0_before + TOKENS * 4 * 2, (peak, peak0_before)
 
 
