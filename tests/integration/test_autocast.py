@@ -82,10 +82,10 @@ def test_bf16_step_equals_eager_and_keeps_narrower_bytes(level):
 
     assert held == planned, f"autocast: plan says {planned} bytes are kept, autograd held {held}"
     assert held32 == planned32, f"fp32: plan says {planned32} bytes are kept, autograd held {held32}"
-    # The kept values are bf16: fewer bytes at both levels. (Not the step's peak: on the CPU oneDNN's
-    # bf16 matmuls pack their operands into workspaces fp32 has none of, and peak() counts them: at
-    # this size they outweigh what the narrower values save.)
-    assert planned < planned32, f"saved bytes under bf16 autocast ({planned}) not below fp32's ({planned32})"
+    # level 1 chooses its plan by the simulated peak (the two dtypes may choose differently): the
+    # peak is what autocast lowers; at level 0 (one plan structure) the saved bytes too
+    assert graph.peak() < graph32.peak(), f"peak under bf16 autocast ({graph.peak()}) not below fp32's"
+    assert level or planned < planned32, f"saved bytes under bf16 autocast ({planned}) not below fp32's ({planned32})"
 
 
 def test_level2_saves_no_more_than_level1_under_autocast():
