@@ -20,8 +20,7 @@ source_code``), so the report reads Inductor's schedule from there:
   scratch measured for the layouts Inductor gives it (``graph.measured``: oneDNN's reorders
   depend on them, and Inductor picks channels-last where eager would not), scaled with the
   batch; another op's from fxmem's scratch formula of the FX node it came from (named in the
-  ``Source Nodes`` comment; an ``extern_kernels.mm`` takes a bf16 matmul node's measured packing,
-  whichever matmul Inductor made it from), else from its model of the op on the call's arguments.
+  ``Source Nodes`` comment), else from its model of the op on the call's arguments.
 
 Events are ``(kind, name, bytes formula)`` as ``graph.liveness.walk`` makes them, in the
 symbols of the graph's shape environment (Inductor prints the same ``s0``-style names), so
@@ -77,9 +76,6 @@ def _statements(line: str) -> list[str]:
 
 def _dotted(node: ast.AST) -> str:
     return ast.unparse(node)
-
-
-_EXTERN_MATMULS = {f"extern_kernels.{name}" for name in ("mm", "addmm", "bmm", "baddbmm")}
 
 
 def _resolve(func: str) -> object:
@@ -226,7 +222,7 @@ class _Reader:
         fake tensor each, in the layouts Inductor gives them: a measured convolution's reorders
         depend on them), at the compiled shape, scaled with the first argument's first dimension
         (the batch: a per-example temporary)."""
-        from .measured import MATMULS, MEASURED
+        from .measured import MEASURED
         from .scratch import op_scratch
 
         op, nodes, keywords = _resolve(func), list(call.args), {k.arg: k.value for k in call.keywords}
@@ -237,8 +233,7 @@ class _Reader:
         if op not in MEASURED:
             for name in self.origins:
                 target, nbytes = self.scratch.get(name, ("", 0))
-                # Inductor's extern matmuls (its post-grad passes turn an addmm into an mm and an add)
-                if target and (target in func or func in _EXTERN_MATMULS and target in {str(m) for m in MATMULS}):
+                if target and target in func:
                     self.events += [("alloc", f"{name}.scratch", nbytes), ("free", f"{name}.scratch", nbytes)]
                     return
         if op is None:
