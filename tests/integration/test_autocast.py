@@ -347,36 +347,3 @@ def test_bf16_autocast_lowering_with_inductor():
     counts = {r.pattern: r.count for r in fxmem.report(compiled).graphs[-1].lowerings}
     assert counts.get("fused_linear_cross_entropy") == 1 and counts.get("layer_norm") == 3, counts
     _assert_within_bf16(got, ref, "Inductor, lowered, vs eager")
-
-
-def _predicted_and_measured(w):
-    """(the report's predicted peak, the third step's measured peak) of ``w`` at level 1 under
-    bf16 autocast."""
-    from fxmem.profiling import step_perf
-
-    model = copy.deepcopy(w.model)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fxmem", options={"inner": "eager", "level": 1})
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        with step_perf("cpu") as perf:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = w.loss(compiled(**w.batch))
-            loss.backward()
-        loss = None  # freed before the next step's profiler starts
-    return fxmem.report(compiled).predict_peak(), perf.result.peak_bytes
-
-
-def test_the_predicted_peak_under_autocast_counts_the_cpu_bf16_matmuls_workspaces(monkeypatch):
-    """oneDNN packs a bf16 matmul's operands into a workspace of its own (none in fp32): measured
-    per configuration, the prediction meets the step (GPT-2: -11.6% without them)."""
-    import fxmem.graph.measured as measured
-    import fxmem.graph.scratch as scratch
-    from fxmem.models import build as build_workload
-
-    w = build_workload("hf_gpt2", batch=4, seq=64, vocab=512, d=64, layers=2, heads=2)
-    predicted, peak = _predicted_and_measured(w)
-    assert abs(predicted - peak) <= 0.005 * peak, (predicted, peak)
-    monkeypatch.setattr(scratch, "is_measured", lambda target, args: target in measured.MEASURED)
-    predicted_without, peak_without = _predicted_and_measured(w)
-    assert predicted_without < 0.95 * peak_without, (predicted_without, peak_without)
