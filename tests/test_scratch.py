@@ -114,60 +114,6 @@ def test_an_op_output_lives_until_its_tuple_is_last_read():
     assert abs(perf.result.peak_bytes - (live.peak - n)) <= 16  # x exists before the call
 
 
-def _matmul_calls(dtype):
-    """Calls of every measured matmul, each operand contiguous and transposed (a weight gradient
-    reads a transposed activation): oneDNN's packing differs with both."""
-    torch.manual_seed(0)
-    a, b, a_t, bias = torch.randn(64, 256), torch.randn(256, 32), torch.randn(256, 64).t(), torch.randn(32)
-    calls = [(aten.mm.default, (a, b)), (aten.mm.default, (a_t, b)), (aten.addmm.default, (bias, a, b)),
-             (aten.bmm.default, (a[None].expand(2, 64, 256).contiguous(), b[None].expand(2, 256, 32).contiguous())),
-             (aten.baddbmm.default, (torch.zeros(2, 64, 32), a_t[None].expand(2, 64, 256), b[None].expand(2, 256, 32)))]
-    return [(op, tuple(t.to(dtype) for t in args)) for op, args in calls]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_cpu_matmul_workspaces_are_measured_exactly(dtype, tmp_path, monkeypatch):
-    import fxmem.graph.measured as measured_mod
-
-    monkeypatch.setenv("FXMEM_CACHE", str(tmp_path))
-    measured_mod.known.cache_clear()
-    calls = _matmul_calls(dtype)
-
-    def every_call(*flat):
-        it = iter(flat)
-        return [op(*[next(it) for _ in args]) for op, args in calls]
-
-    gm = make_fx(every_call, tracing_mode="fake")(*[t for _, args in calls for t in args])
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert [n.target for n in nodes] == [op for op, _ in calls]
-    predicted = [int(op_scratch(n.target, n.args, {}, None)) for n in nodes]  # one child measures the graph's calls
-    got = []
-    for op, args in calls:
-        op(*args)  # oneDNN's primitive cache warm, as in the child
-        got.append(measured(op, *args)[0])
-    measured_mod.known.cache_clear()  # the next test reads the real cache again
-    assert predicted == got
-    if dtype == torch.bfloat16:
-        assert min(got) > 0  # measured on this machine: 42-140 KB
-
-
-def test_fp32_cpu_matmuls_and_the_largest_bf16_ones_are_not_measured(tmp_path, monkeypatch):
-    import fxmem.graph.measured as measured_mod
-
-    monkeypatch.setenv("FXMEM_CACHE", str(tmp_path))
-    measured_mod.known.cache_clear()
-    for op, args in _matmul_calls(torch.float32):
-        assert op_scratch(op, args, {}, None) == 0
-        op(*args)
-        assert measured(op, *args)[0] == 0, op
-    assert len(measured_mod.known()) == 0
-    monkeypatch.setattr(measured_mod, "MAX_MATMUL_FLOPS", 2 * 64 * 256 * 32 - 1)  # one below the mm's
-    for op, args in _matmul_calls(torch.bfloat16)[:3]:
-        assert op_scratch(op, args, {}, None) == 0, op  # too large to measure: none counted, as before
-    assert len(measured_mod.known()) == 0
-    measured_mod.known.cache_clear()
-
-
 CONVS = [  # (input, weight, stride, padding): oneDNN's reorders differ with each; no formula covers these
     ((2, 3, 16, 16), (8, 3, 4, 4), 4, 0),
     ((2, 16, 16, 16), (8, 16, 1, 1), 2, 0),

@@ -1,6 +1,5 @@
 """Temporaries of CPU kernels whose buffers depend on the algorithm the library picks (oneDNN's
-convolutions, and its packed operands of bf16/fp16 matmuls), measured once per configuration on
-this machine.
+convolutions), measured once per configuration on this machine.
 
 oneDNN picks a layout per shape and reorders into it: a convolution's temporaries range from
 nothing (1x1) to several times its output, with no formula that holds across shapes, and they
@@ -39,30 +38,6 @@ MEASURED = {aten.convolution.default, aten.convolution_backward.default,
             *(getattr(aten, f"{name}{part}").default for name in ("upsample_linear1d", "upsample_bilinear2d",
                                                                    "upsample_trilinear3d", "upsample_bicubic2d")
               for part in ("", "_backward"))}
-# Matmuls in bf16/fp16 on CPU: oneDNN packs their operands into its blocked layout, a workspace that
-# depends on the shapes and on which operand is transposed (none in fp32). Measured as convolutions are,
-# up to MAX_MATMUL_FLOPS a call (a measurement runs the call twice in the child: a larger one, which
-# only a plan of a big model at its real width on the CPU meets, counts none, as before).
-MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-_LOW_PRECISION = {torch.bfloat16, torch.float16}
-MAX_MATMUL_FLOPS = 2**32
-
-
-def is_measured(target, args: Sequence) -> bool:
-    """Whether a call's temporaries are measured: a :data:`MEASURED` op, or one of :data:`MATMULS`
-    on low-precision operands (their first matrix's dtype) of at most :data:`MAX_MATMUL_FLOPS`."""
-    if target in MEASURED:
-        return True
-    if target not in MATMULS or len(args) < 2:
-        return False
-    first = 1 if target in (aten.addmm.default, aten.baddbmm.default) else 0
-    a, b = (value_of(x) for x in args[first:first + 2])
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype in _LOW_PRECISION):
-        return False
-    flops = 2 * _hint(b.shape[-1])
-    for d in a.shape:
-        flops *= _hint(d)
-    return flops <= MAX_MATMUL_FLOPS
 
 
 def _hint(d) -> int:
@@ -179,7 +154,7 @@ def known() -> dict[str, int]:
 
 def measured_scratch(target, args: Sequence, kwargs: dict, out: Any,
                      covered: Callable[[Any, Sequence], bool] | None = None) -> sympy.Expr:
-    """Temporary bytes of a measured call (:func:`is_measured`) on CPU, measured (and, for a call in a graph,
+    """Temporary bytes of a :data:`MEASURED` op on CPU, measured (and, for a call in a graph,
     every other such call of that graph with it that ``covered`` does not say a formula covers)."""
     if kwargs or not measurements.enabled():
         return sympy.Integer(0)
@@ -188,7 +163,7 @@ def measured_scratch(target, args: Sequence, kwargs: dict, out: Any,
         return sympy.Integer(0)
     if any(key not in known() for key in found):
         graph = next((a.graph for a in args if isinstance(a, fx.Node)), None)
-        calls = ([(n.target, n.args) for n in graph.nodes if is_measured(n.target, n.args)
+        calls = ([(n.target, n.args) for n in graph.nodes if n.target in MEASURED
                   and not (covered and covered(n.target, n.args))] if graph else [(target, args)])
         todo = {k: c for t, a in calls for k, c in _configs(t, a).items() if k not in known()}
         known().update(measurements.measure({**{k: c for k, c in found.items() if k not in known()}, **todo}))

@@ -19,15 +19,14 @@ inputs and its outputs). Known:
   else, for every other shape class (grouped, dilated, transposed, 1D/3D, bf16, the groups-1
   backward), measured per configuration, shapes and strides (:mod:`.measured`; oneDNN picks a
   layout and an implementation per shape and input layout).
-- CPU matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``) in bf16/fp16: oneDNN packs their operands,
-  a workspace that depends on the shapes and on which operand is transposed (none in fp32),
-  measured per configuration as convolutions are (:func:`.measured.is_measured`);
+
 - ATen's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward,
   :func:`_cpu_flash`): per thread, a block of scores (and in the backward their gradients) and
   a few rows; the backward also copies ``grad_out`` into the kernel's [batch, seq, heads, dim]
   layout where it is not already contiguous there (measured: 12 KiB of a 225 KiB PatchTST step).
 
-Not counted (small): CUDA kernels' workspaces.
+Not counted (small): CUDA kernels' workspaces; the CPU bf16 matmul's packing buffers (a few
+hundred KiB per call, measured up to 400 KiB at GPT-2's sizes).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from .measured import MATMULS, MEASURED, _hint, is_measured, measured_scratch, value_of
+from .measured import MEASURED, _hint, measured_scratch, value_of
 from .sizes import dim_expr, tensor_bytes
 
 aten = torch.ops.aten
@@ -417,11 +416,6 @@ def _convolution(target, args, kwargs, out) -> sympy.Expr:
     return measured_scratch(target, args, kwargs, out, covered=_covered)
 
 
-def _matmul(target, args, kwargs, out) -> sympy.Expr:
-    """A CPU matmul's temporaries: none in fp32; in bf16/fp16 oneDNN's packed operands, measured."""
-    return measured_scratch(target, args, kwargs, out) if is_measured(target, args) else ZERO
-
-
 def _covered(target, args) -> bool:
     try:
         return conv_formula(target, args) is not None
@@ -460,7 +454,6 @@ _SCRATCH: dict[Any, Callable[..., sympy.Expr]] = {
     run_with_rng_state: _run_with_rng_state,
     run_and_save_rng_state: _run_and_save_rng_state,
     **{op: _convolution for op in MEASURED},
-    **{op: _matmul for op in MATMULS},
     **{name: _fxmem_cpu(f) for name, f in _FXMEM_KERNELS.items()},
 }
 
