@@ -50,7 +50,7 @@ def _step(model, x, gy, options=None):
         # The last step's tensors die here, not inside the measured step: its input was made outside
         # the profiler and freeing it under the profiler can count a stale size (fxmem.profiling).
         model.zero_grad(set_to_none=True)
-        y = xi = None
+        y = None
         xi = x.detach().clone().requires_grad_()
         with step_perf("cpu") as perf:
             y = fn(xi)
